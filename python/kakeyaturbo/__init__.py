@@ -1,0 +1,52 @@
+"""kakeyaturbo: a KV-cache codec for transformer LLMs with a Rust core.
+
+>>> import numpy as np, kakeyaturbo as kt
+>>> x = np.random.default_rng(0).standard_normal((600, 64)).astype(np.float32)
+>>> enc = kt.encode_layer(x, kt.CodecParams(bit_width=4))
+>>> kt.decode_layer(kt.EncodedLayer.from_bytes(enc.to_bytes())).shape
+(600, 64)
+"""
+
+from ._core import (
+    FORMAT_VERSION,
+    ChecksumError,
+    CodecParams,
+    FormatError,
+    KakeyaTurboError,
+    UnsupportedVersionError,
+    __version__,
+)
+from .codec import (
+    EncodedLayer,
+    KVCodecParams,
+    decode_batch,
+    decode_block,
+    decode_layer,
+    encode_batch,
+    encode_block,
+    encode_layer,
+    fit_codebook,
+    gaussian_codebook,
+    stage_errors,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ChecksumError",
+    "CodecParams",
+    "EncodedLayer",
+    "FormatError",
+    "KVCodecParams",
+    "KakeyaTurboError",
+    "UnsupportedVersionError",
+    "__version__",
+    "decode_batch",
+    "decode_block",
+    "decode_layer",
+    "encode_batch",
+    "encode_block",
+    "encode_layer",
+    "fit_codebook",
+    "gaussian_codebook",
+    "stage_errors",
+]

@@ -1,0 +1,95 @@
+"""Turning user arrays (numpy, torch, anything with ``__dlpack__``) into what the Rust core
+reads, and decoded float32 back into the caller's framework, dtype and device.
+
+float32 and float16 CPU inputs cross without a copy (DLPack / the buffer protocol);
+bfloat16 crosses as its raw 16-bit pattern (numpy has no bfloat16). CUDA tensors take an
+explicit device-to-host copy: the codec runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+_NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an input came from, so decode can hand back the same kind of array."""
+
+    framework: str  # "numpy" or "torch"
+    dtype: str  # "float32", "float16" or "bfloat16"
+    device: Optional[str] = None  # torch device string
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is an optional extra
+        return None
+    return torch
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_core(x: Any, name: str, ndim: int) -> tuple[np.ndarray, bool, Origin]:
+    """Returns ``(array, bf16_bits, origin)`` for the Rust core, validating dtype and rank."""
+    if _is_torch_tensor(x):
+        arr, bf16, origin = _from_torch(x, name)
+    elif isinstance(x, np.ndarray):
+        if x.dtype not in _NUMPY_DTYPES:
+            raise TypeError(
+                f"{name}: dtype {x.dtype} is not supported; use float32, float16 or bfloat16"
+            )
+        arr, bf16, origin = np.ascontiguousarray(x), False, Origin("numpy", _NUMPY_DTYPES[x.dtype])
+    elif hasattr(x, "__dlpack__"):
+        return to_core(np.from_dlpack(x), name, ndim)
+    else:
+        raise TypeError(
+            f"{name}: expected a numpy array or torch tensor, got {type(x).__name__}"
+        )
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(arr.shape)}")
+    if any(s == 0 for s in arr.shape):
+        raise ValueError(f"{name}: empty shape {tuple(arr.shape)}")
+    return arr, bf16, origin
+
+
+def _from_torch(t: Any, name: str) -> tuple[np.ndarray, bool, Origin]:
+    torch = _torch()
+    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    if t.dtype not in names:
+        raise TypeError(
+            f"{name}: dtype {t.dtype} is not supported; use float32, float16 or bfloat16"
+        )
+    origin = Origin("torch", names[t.dtype], str(t.device))
+    # The codec runs on the CPU: CUDA tensors take one explicit device-to-host copy.
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return np.from_dlpack(t.view(torch.int16)).view(np.uint16), True, origin
+    return np.from_dlpack(t), False, origin
+
+
+def from_core(values: np.ndarray, dtype: str, origin: Optional[Origin], out: Optional[str]) -> Any:
+    """Decoded float32 -> the requested framework ('numpy' or 'torch'), dtype and device."""
+    framework = out or (origin.framework if origin else None)
+    if framework is None:
+        framework = "torch" if dtype == "bfloat16" and _torch() is not None else "numpy"
+    if framework == "numpy":
+        if dtype == "float16":
+            return values.astype(np.float16)
+        return values  # float32, and bfloat16 widened: numpy has no bfloat16
+    if framework != "torch":
+        raise ValueError(f"out must be 'numpy' or 'torch', got {out!r}")
+    torch = _torch()
+    if torch is None:
+        raise ImportError("out='torch' needs torch installed")
+    t = torch.from_numpy(values).to(getattr(torch, dtype))
+    device = origin.device if origin and origin.framework == "torch" else None
+    return t.to(device) if device and device != "cpu" else t

@@ -1,0 +1,191 @@
+"""The codec's Python API: encode/decode numpy arrays and torch tensors.
+
+All the work happens in the Rust core (``kakeyaturbo._core``) with the GIL released;
+this module only validates inputs and converts between frameworks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from ._arrays import Origin, from_core, to_core
+from ._core import CodecParams
+
+
+class EncodedLayer:
+    """One encoded ``[tokens, head_dim]`` stream. In memory it is exactly its wire bytes:
+    ``nbytes == len(to_bytes())``."""
+
+    __slots__ = ("_raw", "_origin")
+
+    def __init__(self, raw: _core.EncodedLayer, origin: Optional[Origin] = None):
+        self._raw = raw
+        self._origin = origin
+
+    @classmethod
+    def from_bytes(cls, data: Any) -> EncodedLayer:
+        """Parses and fully validates ``data`` (bytes-like); raises ``FormatError``."""
+        if not isinstance(data, bytes):
+            try:
+                data = bytes(memoryview(data))
+            except TypeError:
+                raise TypeError(
+                    f"data: expected a bytes-like object, got {type(data).__name__}"
+                ) from None
+        return cls(_core.EncodedLayer.from_bytes(data))
+
+    def to_bytes(self) -> bytes:
+        return self._raw.to_bytes()
+
+    @property
+    def nbytes(self) -> int:
+        return self._raw.nbytes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._raw.shape
+
+    @property
+    def dtype(self) -> str:
+        return self._raw.dtype
+
+    @property
+    def params(self) -> CodecParams:
+        return self._raw.params
+
+    @property
+    def stats(self) -> list[dict]:
+        """Per block: n, d_eff, k_used, kmeans_iters, n_outliers."""
+        return self._raw.stats
+
+    def __getstate__(self):
+        return (self._raw.to_bytes(), self._origin)
+
+    def __setstate__(self, state):
+        self._raw = _core.EncodedLayer.from_bytes(state[0])
+        self._origin = state[1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EncodedLayer) and self.to_bytes() == other.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash(self.to_bytes())
+
+    def __repr__(self) -> str:
+        return repr(self._raw)
+
+
+@dataclass(frozen=True)
+class KVCodecParams:
+    """Separate parameters for keys and values (they have different statistics and
+    different error metrics: keys matter through ``q . k``, values through averaging)."""
+
+    k: CodecParams = field(default_factory=lambda: CodecParams(metric="inner_product"))
+    v: CodecParams = field(default_factory=CodecParams)
+
+    def __post_init__(self):
+        for name in ("k", "v"):
+            if not isinstance(getattr(self, name), CodecParams):
+                raise TypeError(f"{name}: expected CodecParams, got {type(getattr(self, name))}")
+
+
+def _params(params: Optional[CodecParams]) -> CodecParams:
+    if params is None:
+        return CodecParams()
+    if not isinstance(params, CodecParams):
+        raise TypeError(f"params: expected CodecParams, got {type(params).__name__}")
+    return params
+
+
+def encode_layer(x: Any, params: Optional[CodecParams] = None, weights: Any = None) -> EncodedLayer:
+    """Encodes ``x`` of shape ``[tokens, head_dim]`` (float32/float16/bfloat16, numpy or
+    torch; CUDA tensors are copied to the host). ``weights`` ([tokens], >= 0) weight the PCA."""
+    arr, bf16, origin = to_core(x, "x", 2)
+    w = None
+    if weights is not None:
+        w, _, _ = to_core(weights if not isinstance(weights, (list, tuple)) else
+                          np.asarray(weights, dtype=np.float32), "weights", 1)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+    raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16)
+    return EncodedLayer(raw, origin)
+
+
+def decode_layer(enc: EncodedLayer, out: Optional[str] = None) -> Any:
+    """Decodes to the input's shape, dtype, framework and device. Layers read with
+    ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise."""
+    if not isinstance(enc, EncodedLayer):
+        raise TypeError(f"enc: expected EncodedLayer, got {type(enc).__name__}")
+    return from_core(_core.decode_layer(enc._raw), enc.dtype, enc._origin, out)
+
+
+def encode_block(x: Any, params: Optional[CodecParams] = None, weights: Any = None) -> EncodedLayer:
+    """Encodes at most ``params.block_size`` vectors as a single block."""
+    p = _params(params)
+    n = x.shape[0] if hasattr(x, "shape") else len(x)
+    if n > p.block_size:
+        raise ValueError(f"x: {n} vectors exceed block_size={p.block_size}; use encode_layer")
+    return encode_layer(x, p, weights)
+
+
+def decode_block(enc: EncodedLayer, out: Optional[str] = None) -> Any:
+    """Decodes an encoding made by :func:`encode_block`."""
+    if len(enc.stats) != 1:
+        raise ValueError(f"enc: holds {len(enc.stats)} blocks, not one; use decode_layer")
+    return decode_layer(enc, out)
+
+
+def encode_batch(x: Any, params: Optional[CodecParams] = None) -> list[EncodedLayer]:
+    """Encodes ``[streams, tokens, head_dim]`` (e.g. batch x kv-heads) as independent
+    streams, in parallel on all cores. A 4-D ``[layers, heads, tokens, head_dim]`` input is
+    flattened to streams in row-major order."""
+    arr, bf16, origin = to_core(x, "x", x.ndim if getattr(x, "ndim", 0) == 4 else 3)
+    if arr.ndim == 4:
+        arr = arr.reshape(-1, *arr.shape[2:])
+    raws = _core.encode_batch(arr, _params(params), bf16_bits=bf16)
+    return [EncodedLayer(r, origin) for r in raws]
+
+
+def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None) -> Any:
+    """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel."""
+    encs = list(encs)
+    if not encs:
+        raise ValueError("encs: the list is empty")
+    for i, e in enumerate(encs):
+        if not isinstance(e, EncodedLayer):
+            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
+    dtypes = {e.dtype for e in encs}
+    if len(dtypes) != 1:
+        raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
+    values = _core.decode_batch([e._raw for e in encs])
+    return from_core(values, encs[0].dtype, encs[0]._origin, out)
+
+
+def stage_errors(x: Any, params: Optional[CodecParams] = None) -> dict:
+    """Relative Frobenius error after each stage: ``pca`` (projection alone), ``skeleton``
+    (PCA + skeleton, residual dropped), ``quantised`` (no outlier compensation), ``full``."""
+    arr, bf16, _ = to_core(x, "x", 2)
+    if bf16 or arr.dtype != np.float32:
+        arr = np.ascontiguousarray(_widen(arr, bf16))
+    return _core.stage_errors(arr, _params(params))
+
+
+def _widen(arr: np.ndarray, bf16: bool) -> np.ndarray:
+    if bf16:
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def gaussian_codebook(bits: int) -> np.ndarray:
+    """Lloyd-Max levels for N(0, 1) at ``bits`` in {1, 2, 3, 4, 8}."""
+    return np.asarray(_core.gaussian_codebook(bits), dtype=np.float32)
+
+
+def fit_codebook(samples: Any, bits: int, iters: int = 100) -> np.ndarray:
+    """Lloyd-Max levels fitted to 1-D ``samples``; pass as ``CodecParams(centroids=...)``."""
+    arr, bf16, _ = to_core(samples, "samples", 1)
+    arr = np.ascontiguousarray(_widen(arr, bf16)) if (bf16 or arr.dtype != np.float32) else arr
+    return np.asarray(_core.fit_codebook(arr, bits, iters), dtype=np.float32)

@@ -1,0 +1,275 @@
+"""Prefill, compress, teacher-force, compare: the perplexity protocol.
+
+For each passage of ctx + n_eval + 1 tokens:
+
+1. prefill the first `ctx` tokens with an ordinary `DynamicCache` (the reference prefix cache);
+2. build the method's cache for that prefix:
+   - snapshot mode: every layer's K/V of the reference prefill is compressed and decoded in
+     place (all layers computed from exact K/V, as when a finished prefill is stored);
+   - in-forward mode: the prefill runs again through a cache whose `update` compresses each
+     layer's K/V before attention uses them, so every layer sees hidden states computed from the
+     reconstructed K/V of the layers before it (errors compound with depth);
+3. teacher-force the next `n_eval` tokens on top of it (their own K/V are not compressed) and
+   score the predictions of tokens ctx+1 .. ctx+n_eval against the uncompressed run.
+
+Every scored position therefore reads the compressed prefix. The reference logits come from
+the same code path with the prefix left as computed, so a method that changes nothing scores
+exactly delta-ppl 0 and top-1 100%. Batch rows are independent passages; methods must not mix
+them (transformers' own quantized caches are run one passage at a time for that reason).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
+from kakeyaturbo.eval.methods import ByteCount, Method
+from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
+from kakeyaturbo.modeling import Passage
+
+__all__ = ["CompressingCache", "Reference", "compress_stream", "evaluate_method", "prepare_reference"]
+
+MODES = ("snapshot", "in-forward")
+
+
+def _add(a: ByteCount, b: ByteCount) -> None:
+    for k, v in b.items():
+        a[k] = a.get(k, 0) + int(v)
+
+
+def compress_stream(method: Method, x: torch.Tensor, layer: int, stream: str) -> tuple[torch.Tensor, list[ByteCount]]:
+    """Apply `method` to one layer's K or V ([B, H, T, D]) with its shared options (sinks,
+    window, skipped layers, stream choice); returns the reconstruction and per-row bytes."""
+    opts = method.options
+    b, h, t, d = x.shape
+
+    def full(tokens: int) -> int:
+        return h * tokens * d * 2
+
+    if not opts.compresses(layer, stream):
+        return bf16_round(x), [{"full_precision": full(t)} for _ in range(b)]
+    s = min(opts.sink, t)
+    w = min(opts.window, t - s)
+    rows: list[ByteCount] = [{} for _ in range(b)]
+    parts = []
+    if s:
+        parts.append(bf16_round(x[:, :, :s]))
+    if t - s - w > 0:
+        mid_hat, mid_rows = method.compress(x[:, :, s : t - w].contiguous(), layer, stream)
+        if mid_hat.shape != (b, h, t - s - w, d):
+            raise RuntimeError(f"{method.spec}: reconstruction has shape {tuple(mid_hat.shape)}")
+        parts.append(mid_hat.to(x.dtype))
+        for r, m in zip(rows, mid_rows):
+            _add(r, m)
+    if w:
+        parts.append(bf16_round(x[:, :, t - w :]))
+    if s or w:
+        for r in rows:
+            _add(r, {"full_precision": full(s + w)})
+    x_hat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return x_hat, rows
+
+
+class CompressingCache(DynamicCache):
+    """A `DynamicCache` that compresses K/V inside the forward pass while `active` is set."""
+
+    def __init__(self, method: Method, config):
+        super().__init__(config=config)
+        self.method = method
+        self.active = True
+        self.rows: list[ByteCount] | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.active:
+            key_states, rk = compress_stream(self.method, key_states, layer_idx, "k")
+            value_states, rv = compress_stream(self.method, value_states, layer_idx, "v")
+            if self.rows is None:
+                self.rows = [{} for _ in rk]
+            for r, a, b in zip(self.rows, rk, rv):
+                _add(r, a)
+                _add(r, b)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+@dataclass
+class Batch:
+    passages: list[Passage]
+    prefix: torch.Tensor  # [B, ctx]
+    cont: torch.Tensor  # [B, n_eval]
+    targets: torch.Tensor  # [B, n_eval]
+    cache: DynamicCache  # the reference prefill cache (not to be modified)
+    logits: torch.Tensor  # [B, n_eval, V] reference continuation logits
+
+
+@dataclass
+class Reference:
+    ctx: int
+    n_eval: int
+    batches: list[Batch] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passages(self) -> list[Passage]:
+        return [p for b in self.batches for p in b.passages]
+
+
+def _prefill(model, prefix: torch.Tensor, cache) -> None:
+    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def _continue(model, cache, cont: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=cont, past_key_values=cache, use_cache=True).logits.float()
+
+
+@torch.inference_mode()
+def prepare_reference(model, passages: list[Passage], ctx: int, n_eval: int, batch: int = 16, progress=None) -> Reference:
+    """Run the uncompressed prefill and continuation of every passage, `batch` at a time."""
+    need = ctx + n_eval + 1
+    for p in passages:
+        if p.ids.numel() < need:
+            raise ValueError(f"passage {p.index} has {p.ids.numel()} tokens, need ctx + n_eval + 1 = {need}")
+    ref = Reference(ctx, n_eval)
+    t0 = time.perf_counter()
+    for i in range(0, len(passages), batch):
+        group = passages[i : i + batch]
+        ids = torch.stack([p.ids[:need] for p in group])
+        cache = DynamicCache(config=model.config)
+        _prefill(model, ids[:, :ctx], cache)
+        logits = _continue(model, copy.deepcopy(cache), ids[:, ctx : ctx + n_eval])
+        ref.batches.append(Batch(group, ids[:, :ctx], ids[:, ctx : ctx + n_eval], ids[:, ctx + 1 : need], cache, logits))
+        if progress is not None:
+            progress.update(len(group))
+    ref.seconds = time.perf_counter() - t0
+    return ref
+
+
+def _bf16_bytes(cache) -> int:
+    """bf16 bytes of one passage's prefix in `cache` (K and V, every layer, as cached)."""
+    return sum(2 * (layer.keys[0].numel() + layer.values[0].numel()) for layer in cache.layers)
+
+
+def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
+    cache = copy.deepcopy(batch.cache)
+    rows: list[ByteCount] = [{} for _ in batch.passages]
+    for li, layer in enumerate(cache.layers):
+        k_hat, rk = compress_stream(method, layer.keys, li, "k")
+        v_hat, rv = compress_stream(method, layer.values, li, "v")
+        layer.keys, layer.values = k_hat, v_hat
+        for r, a, b in zip(rows, rk, rv):
+            _add(r, a)
+            _add(r, b)
+    return _continue(model, cache, batch.cont), rows
+
+
+def _run_in_forward(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
+    cache = CompressingCache(method, model.config)
+    _prefill(model, batch.prefix, cache)
+    cache.active = False
+    return _continue(model, cache, batch.cont), cache.rows or []
+
+
+def _run_hf(model, method: HFQuantizedCache, batch: Batch) -> tuple[torch.Tensor, list[ByteCount], list[int]]:
+    logits, rows, allocated = [], [], []
+    for i in range(len(batch.passages)):
+        cache = method.make_cache(model.config)
+        counted: ByteCount = {}
+        alloc = 0
+        for li, layer in enumerate(batch.cache.layers):
+            # what the model's prefill does: the first update quantizes the whole prefix
+            cache.update(layer.keys[i : i + 1].clone(), layer.values[i : i + 1].clone(), li)
+            c, a = method.count(cache.layers[li])
+            _add(counted, c)
+            alloc += a
+        logits.append(_continue(model, cache, batch.cont[i : i + 1]))
+        rows.append(counted)
+        allocated.append(alloc)
+    return torch.cat(logits), rows, allocated
+
+
+def _ci(pair: tuple[float, float]) -> list[float | None]:
+    return [None if v != v else v for v in pair]  # NaN -> null in JSON
+
+
+@torch.inference_mode()
+def evaluate_method(model, ref: Reference, method: Method, mode: str = "snapshot", progress=None) -> dict[str, Any]:
+    """Score one method against the reference; returns its JSON row (see `eval ppl`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    row: dict[str, Any] = {**method.describe(), "mode": mode}
+    reason = getattr(method, "reason", None)
+    if isinstance(method, HFQuantizedCache):
+        if mode != "snapshot":
+            reason = reason or "transformers' QuantizedCache runs as shipped, in snapshot mode only"
+        elif not method.options.is_default():
+            reason = reason or "transformers' QuantizedCache takes none of the shared options"
+    elif mode == "in-forward" and not method.supports_in_forward:
+        reason = f"{method.name} does not run in-forward"
+    if reason:
+        if progress is not None:
+            progress.update(len(ref.passages))
+        return {**row, "skipped": reason}
+    t0 = time.perf_counter()
+    scores: list[PassageScores] = []
+    byte_rows: list[ByteCount] = []
+    allocated: list[int] = []
+    bf16 = []
+    for batch in ref.batches:
+        if isinstance(method, HFQuantizedCache):
+            logits, rows, alloc = _run_hf(model, method, batch)
+            allocated.extend(alloc)
+        elif mode == "snapshot":
+            logits, rows = _run_snapshot(model, method, batch)
+        else:
+            logits, rows = _run_in_forward(model, method, batch)
+        scores.extend(passage_scores(batch.logits, logits, batch.targets))
+        byte_rows.extend(rows)
+        bf16.extend([_bf16_bytes(batch.cache)] * len(batch.passages))
+        if progress is not None:
+            progress.update(len(batch.passages))
+    seconds = time.perf_counter() - t0
+    s = summarize(scores)
+    stored = [sum(r.values()) for r in byte_rows]
+    breakdown: ByteCount = {}
+    for r in byte_rows:
+        _add(breakdown, r)
+    n = len(stored)
+    mean_stored = sum(stored) / n
+    row.update(
+        delta_ppl=s.delta_ppl,
+        delta_ppl_ci=_ci(s.delta_ppl_ci),
+        kl=s.kl,
+        kl_ci=_ci(s.kl_ci),
+        top1=s.top1,
+        top1_ci=_ci(s.top1_ci),
+        verdict=s.verdict,
+        ppl_ref=s.ppl_ref,
+        ppl=s.ppl_alt,
+        tokens=s.tokens,
+        stored_bytes=int(mean_stored) if mean_stored == int(mean_stored) else mean_stored,
+        bf16_bytes=bf16[0] if len(set(bf16)) == 1 else sum(bf16) / n,
+        ratio=(sum(bf16) / sum(stored)) if sum(stored) else None,
+        bytes_breakdown={k: v / n for k, v in sorted(breakdown.items())},
+        seconds=round(seconds, 3),
+    )
+    if allocated:
+        row["allocated_bytes"] = sum(allocated) / n
+    row["passages"] = [
+        {
+            "index": p.index,
+            "start": p.start,
+            "nll_ref": sc.nll_ref,
+            "nll": sc.nll_alt,
+            "delta_ppl": float(torch.tensor(sc.nll_alt - sc.nll_ref).expm1()),
+            "kl": sc.kl,
+            "top1": sc.top1,
+            "stored_bytes": st,
+        }
+        for p, sc, st in zip(ref.passages, scores, stored)
+    ]
+    return row

@@ -1,0 +1,33 @@
+"""Hugging Face transformers integration: a compressed KV cache.
+
+>>> from kakeyaturbo.hf import KakeyaCache
+>>> cache = KakeyaCache.from_model(model)                      # default recipe
+>>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=200)
+>>> cache.memory_report()["ratio"]
+
+Supports transformers >=5.18,<6 (the v5 layered cache API).
+"""
+
+from ._compat import MAX_TRANSFORMERS_EXCLUSIVE, MIN_TRANSFORMERS
+from .budget import DecodedBudget
+from .cache import KakeyaCache
+from .layer import KakeyaLayer
+from .layer_plan import LayerKind, LayerSpec, build_layer_plan
+from .recipe import default_kv_params
+from .rope import RotarySpec, rotary_spec_from_config
+from .transforms import KeyTransform
+
+__all__ = [
+    "KakeyaCache",
+    "KakeyaLayer",
+    "KeyTransform",
+    "LayerKind",
+    "LayerSpec",
+    "build_layer_plan",
+    "default_kv_params",
+    "DecodedBudget",
+    "RotarySpec",
+    "rotary_spec_from_config",
+    "MIN_TRANSFORMERS",
+    "MAX_TRANSFORMERS_EXCLUSIVE",
+]

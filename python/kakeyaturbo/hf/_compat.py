@@ -1,0 +1,56 @@
+"""The one place that knows which transformers versions this adapter speaks to.
+
+The v5 cache API moved between minor releases (``get_mask_sizes(cache_position)`` became
+``get_mask_sizes(query_length)`` in 5.5, ``get_max_length`` appeared in 5.13, ``crop`` switched
+from "keep this many" to "remove this many" in 5.14/5.15, KV-shared layers became
+``DummyLayer`` entries in 5.23). We support the releases that have all of the current shape
+and check it once, at import, instead of failing deep inside ``generate``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from packaging.version import Version
+
+#: Inclusive lower bound / exclusive upper bound of the supported transformers releases.
+MIN_TRANSFORMERS = Version("5.18.0")
+MAX_TRANSFORMERS_EXCLUSIVE = Version("6.0.0")
+
+
+def _installed_version() -> Version:
+    try:
+        return Version(importlib.metadata.version("transformers"))
+    except importlib.metadata.PackageNotFoundError as exc:  # pragma: no cover - import guard
+        raise ImportError(
+            "kakeyaturbo.hf needs transformers; install it with `pip install 'transformers>=5.18,<6'`"
+        ) from exc
+
+
+TRANSFORMERS_VERSION = _installed_version()
+if not (MIN_TRANSFORMERS <= TRANSFORMERS_VERSION < MAX_TRANSFORMERS_EXCLUSIVE):
+    raise ImportError(
+        f"kakeyaturbo.hf supports transformers >={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE} "
+        f"(the v5 layered cache API); found {TRANSFORMERS_VERSION}"
+    )
+
+from transformers import cache_utils  # noqa: E402  (after the version gate on purpose)
+
+Cache = cache_utils.Cache
+CacheLayerMixin = cache_utils.CacheLayerMixin
+DynamicLayer = cache_utils.DynamicLayer
+DynamicSlidingWindowLayer = cache_utils.DynamicSlidingWindowLayer
+#: 5.23+ keeps one placeholder layer per KV-sharing consumer; older releases drop them from the
+#: end of the cache instead (the consumers never call ``update``).
+DummyLayer = getattr(cache_utils, "DummyLayer", None)
+
+__all__ = [
+    "TRANSFORMERS_VERSION",
+    "MIN_TRANSFORMERS",
+    "MAX_TRANSFORMERS_EXCLUSIVE",
+    "Cache",
+    "CacheLayerMixin",
+    "DynamicLayer",
+    "DynamicSlidingWindowLayer",
+    "DummyLayer",
+]

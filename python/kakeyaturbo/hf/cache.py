@@ -1,0 +1,247 @@
+"""``KakeyaCache``: a transformers v5 ``Cache`` whose full-attention layers are block-compressed.
+
+Each decoder layer gets the cache layer its attention type calls for (see ``layer_plan``):
+compressed full-attention layers are :class:`~kakeyaturbo.hf.layer.KakeyaLayer`; skipped
+full-attention layers are plain ``DynamicLayer``; sliding/chunked layers are transformers' own
+``DynamicSlidingWindowLayer``; KV-sharing consumers get transformers' placeholder.
+
+``from_model`` also hooks the model's decoder so the cache sees each forward's ``position_ids``
+(needed to undo RoPE exactly in pre-RoPE mode, padded rows included) and 2-D ``attention_mask``
+(to keep the first *real* tokens of left-padded rows as attention sinks). The hook only reads
+forwards whose ``past_key_values`` is this cache, holds the cache weakly and goes away with it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from collections.abc import Iterable
+
+import kakeyaturbo as kt
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from .budget import DecodedBudget
+from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes
+from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
+from .recipe import DEFAULT_RESIDUAL_LENGTH, DEFAULT_SINK_TOKENS, resolve_kv_params
+from .rope import rotary_spec_from_config
+from .transforms import KeyTransform, check_key_transform
+
+_REPORT_SUMS = (
+    "tokens",
+    "compressed_tokens",
+    "compressed_bytes",
+    "full_precision_bytes",
+    "aux_bytes",
+    "decoded_cache_bytes",
+    "total_bytes",
+    "bf16_equivalent_bytes",
+    "dense_bytes",
+)
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class KakeyaCache(Cache):
+    """A KV cache that holds old tokens of full-attention layers as kakeyaturbo blocks.
+
+    Args:
+        config: the model config (multimodal configs: the text config is used).
+        k_params, v_params: codec parameters of keys and values; a missing one comes from the
+            default recipe (:func:`~kakeyaturbo.hf.recipe.default_kv_params`). Their
+            ``block_size`` is the streaming granularity and must be equal.
+        residual_length: newest tokens always kept full precision (the hot window).
+        sink_tokens: first real tokens of every row kept full precision (attention sinks).
+        skip_layers: full-attention layer indices kept full precision.
+        key_transform: invertible map applied to keys before encoding and undone after decoding
+            (see :class:`~kakeyaturbo.hf.transforms.KeyTransform`).
+        pre_rope: store keys pre-RoPE (unrotate before encoding, rotate back after decoding).
+            Needs the positions of each forward: build the cache with :meth:`from_model`.
+        decoded_cache_bytes: explicit budget for keeping decoded blocks between steps (speed for
+            memory; counted in :meth:`memory_report`). 0 (default) keeps none.
+
+    Raises:
+        NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
+        ValueError / TypeError: bad parameters.
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        *,
+        k_params: kt.CodecParams | None = None,
+        v_params: kt.CodecParams | None = None,
+        residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        skip_layers: Iterable[int] | None = None,
+        key_transform: KeyTransform | None = None,
+        pre_rope: bool = False,
+        decoded_cache_bytes: int = 0,
+    ) -> None:
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+        self.k_params, self.v_params = resolve_kv_params(k_params, v_params)
+        self.residual_length = _non_negative_int("residual_length", residual_length)
+        self.sink_tokens = _non_negative_int("sink_tokens", sink_tokens)
+        if not isinstance(pre_rope, bool):
+            raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
+        self.pre_rope = pre_rope
+        self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
+        self._ctx = CacheContext(budget=DecodedBudget(decoded_cache_bytes), key_transform=check_key_transform(key_transform))
+        cfg = text_config(config)
+        layers = [self._make_layer(spec, cfg) for spec in self.layer_plan[: cache_layer_count(self.layer_plan)]]
+        if not any(spec.kind is LayerKind.COMPRESSED for spec in self.layer_plan):
+            warnings.warn(
+                "KakeyaCache: this model has no compressible full-attention layer (all are sliding, chunked, "
+                "shared or skipped); the cache holds everything at full precision",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._hook_handles: list = []
+        super().__init__(layers=layers)
+
+    def _make_layer(self, spec: LayerSpec, cfg: PretrainedConfig):
+        if spec.kind is LayerKind.COMPRESSED:
+            rope = rotary_spec_from_config(cfg, spec.layer_type) if self.pre_rope else None
+            return KakeyaLayer(
+                spec.index, self.k_params, self.v_params, self.residual_length, self.sink_tokens, self._ctx, rope
+            )
+        if spec.kind is LayerKind.FULL_PRECISION:
+            return DynamicLayer()
+        if spec.kind in (LayerKind.SLIDING, LayerKind.CHUNKED):
+            return DynamicSlidingWindowLayer(sliding_window=spec.window)
+        return DummyLayer()  # SHARED; only reached on transformers >= 5.23 (see cache_layer_count)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        *,
+        k_params: kt.CodecParams | None = None,
+        v_params: kt.CodecParams | None = None,
+        residual_length: int = DEFAULT_RESIDUAL_LENGTH,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        skip_layers: Iterable[int] | None = None,
+        key_transform: KeyTransform | None = None,
+        pre_rope: bool = False,
+        decoded_cache_bytes: int = 0,
+    ) -> KakeyaCache:
+        """Build a cache for ``model`` and hook its decoder (positions, padding); with no
+        parameters, the default recipe is used."""
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
+        cache = cls(
+            model.config,
+            k_params=k_params,
+            v_params=v_params,
+            residual_length=residual_length,
+            sink_tokens=sink_tokens,
+            skip_layers=skip_layers,
+            key_transform=key_transform,
+            pre_rope=pre_rope,
+            decoded_cache_bytes=decoded_cache_bytes,
+        )
+        cache.attach(model)
+        return cache
+
+    # ---- model hook --------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model``'s decoder so this cache sees each forward's position ids and 2-D
+        attention mask. ``from_model`` calls it; call :meth:`detach` to remove the hooks."""
+        self.detach()
+        decoder = getattr(model, "base_model", None)
+        decoder = decoder if isinstance(decoder, torch.nn.Module) else model
+        names = list(inspect.signature(decoder.forward).parameters)
+        ref = weakref.ref(self)
+
+        def pre_hook(module, args, kwargs):
+            cache = ref()
+            if cache is None:
+                return None
+            bound = dict(zip(names, args))
+            bound.update(kwargs)
+            if bound.get("past_key_values") is cache:
+                cache._ctx.step = StepInputs(bound.get("position_ids"), bound.get("attention_mask"))
+            return None
+
+        def post_hook(module, args, kwargs, output):
+            cache = ref()
+            if cache is not None:
+                cache._ctx.step = StepInputs()
+            return None
+
+        self._hook_handles = [
+            decoder.register_forward_pre_hook(pre_hook, with_kwargs=True),
+            decoder.register_forward_hook(post_hook, with_kwargs=True, always_call=True),
+        ]
+        for handle in self._hook_handles:
+            weakref.finalize(self, handle.remove)
+
+    def detach(self) -> None:
+        """Remove the model hooks installed by :meth:`attach`."""
+        for handle in getattr(self, "_hook_handles", []):
+            handle.remove()
+        self._hook_handles = []
+
+    # ---- accounting --------------------------------------------------------------------------
+
+    def memory_report(self) -> dict:
+        """Bytes held, measured from the tensors and encoded blocks actually held.
+
+        Keys (totals, and per layer under ``"layers"``):
+            compressed_bytes: sum of the encoded blocks' exact serialized sizes.
+            full_precision_bytes: uncompressed key/value tensors held (hot window, sinks,
+                skipped / sliding layers).
+            aux_bytes: bookkeeping tensors (sink slots, RoPE positions in pre-RoPE mode).
+            decoded_cache_bytes: decoded blocks kept under the ``decoded_cache_bytes`` budget.
+            total_bytes: the sum of the four above.
+            dense_bytes: what a ``DynamicCache`` holds for the same tokens (model dtype).
+            bf16_equivalent_bytes: the same tokens as bfloat16.
+            ratio: dense_bytes / total_bytes (how many times fewer bytes than DynamicCache).
+            ratio_vs_bf16: bf16_equivalent_bytes / total_bytes.
+        """
+        layers = []
+        for spec, layer in zip(self.layer_plan, self.layers):
+            rep = layer.memory_report() if isinstance(layer, KakeyaLayer) else _plain_layer_report(layer, spec)
+            rep["kind"] = spec.kind.value
+            rep["layer"] = spec.index
+            layers.append(rep)
+        totals = {key: sum(r[key] for r in layers) for key in _REPORT_SUMS}
+        total = totals["total_bytes"]
+        totals["ratio"] = totals["dense_bytes"] / total if total else 1.0
+        totals["ratio_vs_bf16"] = totals["bf16_equivalent_bytes"] / total if total else 1.0
+        totals["decoded_cache_budget_bytes"] = self._ctx.budget.limit
+        totals["layers"] = layers
+        return totals
+
+    def __repr__(self) -> str:
+        kinds = [spec.kind.value for spec in self.layer_plan]
+        return f"KakeyaCache(layers={kinds}, residual_length={self.residual_length}, sink_tokens={self.sink_tokens})"
+
+
+def _plain_layer_report(layer, spec: LayerSpec) -> dict:
+    """Report for a transformers layer kept as is: its key/value tensors are full precision and
+    any other tensor it holds (the sliding-window scalar) is bookkeeping."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    full = _storage_bytes(keys) + _storage_bytes(values)
+    aux = sum(
+        _storage_bytes(t)
+        for name, t in vars(layer).items()
+        if isinstance(t, torch.Tensor) and name not in ("keys", "values")
+    )
+    held = 0
+    bf16 = dense = 0
+    if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+        held = keys.shape[-2]
+        per_token = keys.shape[0] * keys.shape[1] * (keys.shape[-1] + values.shape[-1])
+        dense, bf16 = per_token * held * keys.element_size(), per_token * held * 2
+    tokens = layer.get_seq_length() if hasattr(layer, "get_seq_length") else held
+    return _report(spec.kind.value, tokens, 0, 0, full, aux, 0, bf16, dense)

@@ -1,0 +1,489 @@
+"""``KakeyaLayer``: one full-attention layer's KV cache, block-compressed by the codec.
+
+Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
+
+    [ block 0 | block 1 | ... | block n-1 | hot window ]
+      compressed, block_size tokens each    full precision, >= residual_length tokens
+
+New tokens land in the hot window. Whenever the hot window holds ``block_size`` tokens more than
+``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
+(block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
+compresses in one pass. The first ``sink_tokens`` real tokens of each row (attention sinks) are also
+kept exact, beside the stream: they are written over their decoded values, and replaced by the
+block mean before encoding so their outlier norms do not spend the block's PCA and scale.
+
+Decoding: every step returns the whole ``[B, H, L, D]`` keys and values (transformers' attention
+needs them). Blocks are decoded on demand; a decoded block is kept only while it fits the
+cache's explicit ``decoded_cache_bytes`` budget (default 0: nothing decoded is kept, every step
+decodes every block in one batched call). Tokens that arrive in a forward are attended
+at full precision in that forward, before they are compressed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import kakeyaturbo as kt
+import numpy as np
+import torch
+
+from ._compat import CacheLayerMixin
+from .budget import DecodedBudget
+from .rope import RotarySpec
+from .transforms import KeyTransform, apply_checked
+
+
+@dataclass
+class StepInputs:
+    """What the model hook saw for the forward in flight (position ids, 2-D attention mask)."""
+
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+
+@dataclass
+class CacheContext:
+    """State shared by all compressed layers of one cache."""
+
+    budget: DecodedBudget
+    key_transform: KeyTransform | None = None
+    step: StepInputs = field(default_factory=StepInputs)
+
+
+@dataclass
+class _Block:
+    """One compressed block: ``block_size`` tokens of every (batch row, kv-head) stream."""
+
+    k: list  # B*H kt.EncodedLayer, row-major over (batch row, kv-head)
+    v: list
+    positions: torch.Tensor | None  # [B, block_size] int32 RoPE positions (pre-RoPE mode only)
+    decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # held under the decoded budget
+
+
+def _storage_bytes(t: torch.Tensor | None) -> int:
+    # Storage, not numel: a view would keep its whole base alive.
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def _to_streams(x: torch.Tensor, n: int, bs: int) -> torch.Tensor:
+    """[B, H, n*bs, D] -> [n*B*H, bs, D], block-major so each block's streams are contiguous."""
+    b, h, _, d = x.shape
+    return x.reshape(b, h, n, bs, d).permute(2, 0, 1, 3, 4).reshape(n * b * h, bs, d).contiguous()
+
+
+def _from_streams(y: torch.Tensor, n: int, b: int, h: int) -> torch.Tensor:
+    """Inverse of :func:`_to_streams`."""
+    bs, d = y.shape[-2:]
+    return y.reshape(n, b, h, bs, d).permute(1, 2, 0, 3, 4).reshape(b, h, n * bs, d)
+
+
+def _decode(encs: list) -> torch.Tensor:
+    out = kt.decode_batch(encs)
+    return torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
+
+
+class KakeyaLayer(CacheLayerMixin):
+    """A full-attention cache layer whose old tokens are held as codec blocks."""
+
+    is_sliding = False
+    is_compileable = False
+    # Blocks only ever hold tokens older than the hot window, so rolling back fewer than
+    # `residual_length` tokens (assisted decoding) never touches compressed data.
+    is_croppable = True
+
+    def __init__(
+        self,
+        layer_idx: int,
+        k_params: kt.CodecParams,
+        v_params: kt.CodecParams,
+        residual_length: int,
+        sink_tokens: int,
+        context: CacheContext,
+        rope: RotarySpec | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.k_params = k_params
+        self.v_params = v_params
+        self.block_size = int(k_params.block_size)
+        self.residual_length = residual_length
+        self.sink_tokens = sink_tokens
+        self._ctx = context
+        self._rope = rope
+        self._clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"KakeyaLayer(layer={self.layer_idx}, tokens={self._len}, blocks={len(self._blocks)}, "
+            f"hot={0 if self._hot_k is None else self._hot_k.shape[-2]})"
+        )
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def _clear(self) -> None:
+        self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
+        self.is_initialized = False
+        self._hot_k = self._hot_v = None  # [B, H, T_hot, D] model dtype
+        self._hot_pos = None  # [B, T_hot] int32, pre-RoPE mode only
+        self._blocks: list[_Block] = []
+        self._sink_idx = None  # [B, S] long: cache slot of each row's s-th sink token
+        self._sink_k = self._sink_v = None  # [B, S, H, D] exact sink keys/values
+        self._len = 0
+        self._rows = self._heads = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4 or value_states.dim() != 4:
+            raise ValueError(
+                f"KakeyaLayer expects [batch, kv_heads, tokens, head_dim] states, got keys {tuple(key_states.shape)} "
+                f"and values {tuple(value_states.shape)}"
+            )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, _ = key_states.shape
+        self._rows, self._heads = b, h
+        self._hot_k = key_states[:, :, :0].clone()
+        self._hot_v = value_states[:, :, :0].clone()
+        if self._rope is not None:
+            self._hot_pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
+        self.is_initialized = True
+
+    @property
+    def compressed_length(self) -> int:
+        """Tokens held in compressed blocks."""
+        return len(self._blocks) * self.block_size
+
+    # ---- CacheLayerMixin API ---------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new states; return all keys and values of this layer (decoded + exact)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        q = key_states.shape[-2]
+        start = self._len
+        if q and self.sink_tokens and self._sink_idx is None:
+            self._init_sinks(q)
+        if q and self._sink_idx is not None:
+            self._capture_sinks(key_states, value_states, start)
+        positions = self._step_positions(q, start) if self._rope is not None else None
+
+        old_k, old_v = self._materialize()
+        full_k = torch.cat([*old_k, self._hot_k, key_states], dim=-2)
+        full_v = torch.cat([*old_v, self._hot_v, value_states], dim=-2)
+        if self._blocks and self._sink_idx is not None:
+            self._overwrite_sinks(full_k, full_v, self.compressed_length)
+
+        self._hot_k = torch.cat([self._hot_k, key_states], dim=-2)
+        self._hot_v = torch.cat([self._hot_v, value_states], dim=-2)
+        if positions is not None:
+            self._hot_pos = torch.cat([self._hot_pos, positions], dim=-1)
+        self._len += q
+        self._flush()
+        return full_k, full_v
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(kv_length, kv_offset) for the attention mask: every held token is visible."""
+        if isinstance(query_length, torch.Tensor):  # pre-5.5 passed cache_position
+            query_length = query_length.shape[0]
+        return self._len + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        """Tokens held (compressed + exact)."""
+        return self._len
+
+    def get_max_length(self) -> int:
+        """No maximum: the layer grows with the context."""
+        return -1
+
+    def reset(self) -> None:
+        """Drop every token and release the decoded budget this layer held."""
+        self._release_decoded()
+        self._clear()
+
+    def offload(self) -> None:  # KakeyaCache never enables offloading
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers >= 5.15 convention).
+
+        Cropping into a compressed block decodes that block and keeps its surviving head as
+        full-precision hot tokens; they are re-encoded (a second lossy pass) when the window
+        flushes again.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"crop takes an int, got {type(tokens_to_remove).__name__}")
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        new_len = max(self._len + tokens_to_remove, 0)
+        clen = self.compressed_length
+        if new_len >= clen:
+            keep = new_len - clen
+            self._hot_k = self._hot_k[:, :, :keep].clone()
+            self._hot_v = self._hot_v[:, :, :keep].clone()
+            if self._hot_pos is not None:
+                self._hot_pos = self._hot_pos[:, :keep].clone()
+        else:
+            whole, rest = divmod(new_len, self.block_size)
+            tail = self._blocks[whole] if rest else None
+            if tail is not None:
+                tk, tv = self._decode_blocks([tail])
+            for blk in self._blocks[whole:]:
+                self._drop_decoded(blk)
+            self._blocks = self._blocks[:whole]
+            if tail is not None:
+                self._hot_k = tk[:, :, :rest].clone()
+                self._hot_v = tv[:, :, :rest].clone()
+                if self._hot_pos is not None:
+                    self._hot_pos = tail.positions[:, :rest].clone()
+            else:
+                self._hot_k = self._hot_k[:, :, :0].clone()
+                self._hot_v = self._hot_v[:, :, :0].clone()
+                if self._hot_pos is not None:
+                    self._hot_pos = self._hot_pos[:, :0].clone()
+        # Sinks at slots >= new_len are re-captured when those slots are written again.
+        self._len = new_len
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder batch rows for beam search (compressed streams are re-pointed, not re-encoded)."""
+        if self.is_initialized:
+            self._select_rows(torch.as_tensor(beam_idx, dtype=torch.long).reshape(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times (rows share their compressed streams)."""
+        if self.is_initialized:
+            self._select_rows(torch.arange(self._rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows in ``indices``."""
+        if self.is_initialized:
+            self._select_rows(torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu())
+
+    # ---- accounting ------------------------------------------------------------------------------
+
+    def memory_report(self) -> dict:
+        """Bytes this layer holds, measured from what it holds."""
+        seen, compressed = set(), 0
+        for blk in self._blocks:
+            for enc in (*blk.k, *blk.v):
+                if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share streams
+                    seen.add(id(enc))
+                    compressed += int(enc.nbytes)
+        full = sum(_storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v))
+        aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
+        aux += sum(_storage_bytes(b.positions) for b in self._blocks)
+        aux += 0 if self._rope is None else _storage_bytes(self._rope.inv_freq)
+        decoded = sum(_storage_bytes(t) for b in self._blocks if b.decoded for t in b.decoded)
+        if self.is_initialized:
+            per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
+            dense = per_token * self._len * self._hot_k.element_size()
+            bf16 = per_token * self._len * 2
+        else:
+            dense = bf16 = 0
+        return _report(
+            "compressed", self._len, self.compressed_length, compressed, full, aux, decoded, bf16, dense
+        )
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must be [B, H, T, D] with equal B, H, T")
+        want = (self._rows, self._heads, self._hot_k.shape[-1], self._hot_v.shape[-1])
+        got = (k.shape[0], k.shape[1], k.shape[-1], v.shape[-1])
+        if got != want:
+            raise ValueError(
+                f"layer {self.layer_idx}: states of (batch, kv_heads, k_dim, v_dim) = {got} do not match the "
+                f"cache's {want}; use batch_select_indices / batch_repeat_interleave to change the batch"
+            )
+
+    def _init_sinks(self, q: int) -> None:
+        """Pick each row's sink slots: its first `sink_tokens` real (unpadded) tokens when the
+        prefill's 2-D attention mask is known, else the first slots."""
+        s, b, start = self.sink_tokens, self._rows, self._len
+        idx = torch.arange(start, start + s).expand(b, s).clone()
+        mask = self._ctx.step.attention_mask
+        if mask is not None and mask.dim() == 2 and mask.shape == (b, start + q):
+            new = mask[:, start:].bool().cpu()
+            for r in range(b):
+                real = new[r].nonzero().flatten()[:s]
+                pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
+                idx[r] = start + torch.cat([real, pad_after])
+        self._sink_idx = idx.to(self.device)
+        h = self._heads
+        self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
+        self._sink_v = self._hot_v.new_zeros((b, s, h, self._hot_v.shape[-1]))
+
+    def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        sel = (self._sink_idx >= start) & (self._sink_idx < start + k.shape[-2])
+        if bool(sel.any()):
+            rows, slots = sel.nonzero(as_tuple=True)
+            t = self._sink_idx[rows, slots] - start
+            self._sink_k[rows, slots] = k[rows, :, t]
+            self._sink_v[rows, slots] = v[rows, :, t]
+
+    def _overwrite_sinks(self, full_k: torch.Tensor, full_v: torch.Tensor, clen: int) -> None:
+        sel = self._sink_idx < clen
+        if bool(sel.any()):
+            rows, slots = sel.nonzero(as_tuple=True)
+            t = self._sink_idx[rows, slots]
+            full_k[rows, :, t] = self._sink_k[rows, slots].to(full_k.dtype)
+            full_v[rows, :, t] = self._sink_v[rows, slots].to(full_v.dtype)
+
+    def _step_positions(self, q: int, start: int) -> torch.Tensor:
+        """RoPE positions of the tokens arriving now: the forward's position_ids when the model
+        hook saw them, else start..start+q (what the model itself uses without position_ids)."""
+        pos = self._ctx.step.position_ids
+        if pos is not None:
+            if pos.dim() != 2:
+                raise NotImplementedError(
+                    f"pre_rope supports 2-D position_ids; got shape {tuple(pos.shape)} (multimodal RoPE?)"
+                )
+            if pos.shape[-1] == q and pos.shape[0] in (1, self._rows):
+                return pos.to(device=self.device, dtype=torch.int32).expand(self._rows, q).clone()
+        return torch.arange(start, start + q, dtype=torch.int32, device=self.device).expand(self._rows, q).clone()
+
+    def _neutralise_sinks(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """Replace sink tokens inside [start, start + n*bs) by their block's mean of the other
+        tokens: their exact values live beside the stream, and their large norms would otherwise
+        dominate the block's PCA and quantiser scale."""
+        if self._sink_idx is None:
+            return x
+        bs, t = self.block_size, n * self.block_size
+        sel = (self._sink_idx >= start) & (self._sink_idx < start + t)
+        if not bool(sel.any()):
+            return x
+        keep = torch.ones((x.shape[0], t), dtype=x.dtype, device=x.device)
+        rows, slots = sel.nonzero(as_tuple=True)
+        keep[rows, self._sink_idx[rows, slots] - start] = 0
+        b, h, _, d = x.shape
+        xb = x.reshape(b, h, n, bs, d)
+        kb = keep.reshape(b, 1, n, bs, 1)
+        mean = (xb * kb).sum(3, keepdim=True) / kb.sum(3, keepdim=True).clamp(min=1)
+        return torch.where(kb.bool(), xb, mean).reshape(b, h, t, d)
+
+    def _flush(self) -> None:
+        """Encode every whole block of hot tokens older than the residual window."""
+        bs = self.block_size
+        n = max(self._hot_k.shape[-2] - self.residual_length, 0) // bs
+        if n == 0:
+            return
+        t, start = n * bs, self.compressed_length
+        b, h = self._rows, self._heads
+        xk = self._hot_k[:, :, :t].float()
+        pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
+        if pos is not None:
+            xk = self._rope.unrotate(xk, pos)
+        xk = self._neutralise_sinks(xk, start, n)
+        if self._ctx.key_transform is not None:
+            xk = apply_checked(self._ctx.key_transform.forward, xk, self.layer_idx, "forward")
+        xv = self._neutralise_sinks(self._hot_v[:, :, :t].float(), start, n)
+        enc_k = kt.encode_batch(_to_streams(xk.cpu(), n, bs), self.k_params)
+        enc_v = kt.encode_batch(_to_streams(xv.cpu(), n, bs), self.v_params)
+        per = b * h
+        for j in range(n):
+            self._blocks.append(
+                _Block(
+                    k=list(enc_k[j * per : (j + 1) * per]),
+                    v=list(enc_v[j * per : (j + 1) * per]),
+                    positions=None if pos is None else pos[:, j * bs : (j + 1) * bs].clone(),
+                )
+            )
+        self._hot_k = self._hot_k[:, :, t:].clone()
+        self._hot_v = self._hot_v[:, :, t:].clone()
+        if self._hot_pos is not None:
+            self._hot_pos = self._hot_pos[:, t:].clone()
+
+    def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode ``blocks`` in one batched call per K/V -> [B, H, n*bs, D] in the model dtype."""
+        n, b, h = len(blocks), self._rows, self._heads
+        dk = _from_streams(_decode([e for blk in blocks for e in blk.k]), n, b, h).float()
+        dv = _from_streams(_decode([e for blk in blocks for e in blk.v]), n, b, h)
+        dk = dk.to(self.device)
+        if self._ctx.key_transform is not None:
+            dk = apply_checked(self._ctx.key_transform.inverse, dk, self.layer_idx, "inverse")
+        if self._rope is not None:
+            dk = self._rope.rotate(dk, torch.cat([blk.positions for blk in blocks], dim=-1))
+        return dk.to(self.dtype), dv.to(device=self.device, dtype=self.dtype)
+
+    def _materialize(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of all blocks, in order, as lists of pieces to concatenate."""
+        if not self._blocks:
+            return [], []
+        need = [blk for blk in self._blocks if blk.decoded is None]
+        if not need:
+            return [blk.decoded[0] for blk in self._blocks], [blk.decoded[1] for blk in self._blocks]
+        dk, dv = self._decode_blocks(need)
+        bs = self.block_size
+        fresh = {}
+        for i, blk in enumerate(need):
+            pk, pv = dk[:, :, i * bs : (i + 1) * bs], dv[:, :, i * bs : (i + 1) * bs]
+            fresh[id(blk)] = (pk, pv)
+            nbytes = (pk.numel() + pv.numel()) * pk.element_size()
+            if self._ctx.budget.limit and self._ctx.budget.try_reserve(nbytes):
+                blk.decoded = (pk.clone(), pv.clone())
+        if len(need) == len(self._blocks):
+            return [dk], [dv]  # common no-budget case: already one tensor in block order
+        pieces = [blk.decoded if blk.decoded is not None else fresh[id(blk)] for blk in self._blocks]
+        return [p[0] for p in pieces], [p[1] for p in pieces]
+
+    def _drop_decoded(self, blk: _Block) -> None:
+        if blk.decoded is not None:
+            self._ctx.budget.release(sum(_storage_bytes(t) for t in blk.decoded))
+            blk.decoded = None
+
+    def _release_decoded(self) -> None:
+        for blk in self._blocks:
+            self._drop_decoded(blk)
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """Rebuild every per-row structure for the batch rows ``rows`` (beam reorder, select, repeat)."""
+        rows_dev = rows.to(self.device)
+        h = self._heads
+        order = rows.tolist()
+        self._hot_k = self._hot_k.index_select(0, rows_dev)
+        self._hot_v = self._hot_v.index_select(0, rows_dev)
+        if self._hot_pos is not None:
+            self._hot_pos = self._hot_pos.index_select(0, rows_dev)
+        if self._sink_idx is not None:
+            self._sink_idx = self._sink_idx.index_select(0, rows_dev)
+            self._sink_k = self._sink_k.index_select(0, rows_dev)
+            self._sink_v = self._sink_v.index_select(0, rows_dev)
+        for blk in self._blocks:
+            blk.k = [blk.k[r * h + j] for r in order for j in range(h)]
+            blk.v = [blk.v[r * h + j] for r in order for j in range(h)]
+            if blk.positions is not None:
+                blk.positions = blk.positions.index_select(0, rows_dev)
+            if blk.decoded is not None:
+                old = blk.decoded
+                self._drop_decoded(blk)
+                new = tuple(t.index_select(0, rows_dev) for t in old)
+                if self._ctx.budget.try_reserve(sum(_storage_bytes(t) for t in new)):
+                    blk.decoded = new
+        self._rows = len(order)
+
+
+def _report(kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf16, dense) -> dict:
+    total = compressed + full + aux + decoded
+    return {
+        "kind": kind,
+        "tokens": tokens,
+        "compressed_tokens": compressed_tokens,
+        "compressed_bytes": compressed,
+        "full_precision_bytes": full,
+        "aux_bytes": aux,
+        "decoded_cache_bytes": decoded,
+        "total_bytes": total,
+        "bf16_equivalent_bytes": bf16,
+        "dense_bytes": dense,
+        "ratio": dense / total if total else 1.0,
+        "ratio_vs_bf16": bf16 / total if total else 1.0,
+    }

@@ -1,0 +1,32 @@
+//! Python bindings for the kakeyaturbo codec (`kakeyaturbo._core`). Bindings only: every
+//! algorithm lives in the `kakeyaturbo` crate.
+
+mod arrays;
+mod codec;
+mod errors;
+mod params;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("FORMAT_VERSION", kakeyaturbo::format::FORMAT_VERSION)?;
+    m.add_class::<params::PyCodecParams>()?;
+    m.add_class::<codec::PyEncodedLayer>()?;
+    m.add_function(wrap_pyfunction!(params::_params_from_dict, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::encode_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::encode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::decode_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::decode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::stage_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
+    m.add("KakeyaTurboError", py.get_type::<errors::KakeyaTurboError>())?;
+    m.add("FormatError", py.get_type::<errors::FormatError>())?;
+    m.add("ChecksumError", py.get_type::<errors::ChecksumError>())?;
+    m.add("UnsupportedVersionError", py.get_type::<errors::UnsupportedVersionError>())?;
+    Ok(())
+}

@@ -1,0 +1,95 @@
+//! Bit packing of small unsigned integers, LSB first: value `i` occupies bits
+//! `[i * bits, (i + 1) * bits)` of the little-endian bit stream. The unused high bits of
+//! the last byte are zero, and the reader insists on it (no hidden data in padding).
+
+use crate::error::{Error, Result};
+
+/// Bytes needed for `count` values of `bits` bits.
+pub fn packed_len(count: usize, bits: u32) -> usize {
+    (count * bits as usize).div_ceil(8)
+}
+
+/// Appends `values` (each < 2^bits, bits in 1..=16) to `out`.
+pub fn pack_into(values: &[u16], bits: u32, out: &mut Vec<u8>) {
+    debug_assert!((1..=16).contains(&bits));
+    let start = out.len();
+    out.resize(start + packed_len(values.len(), bits), 0);
+    let buf = &mut out[start..];
+    let mut acc: u32 = 0;
+    let mut nacc: u32 = 0;
+    let mut pos = 0;
+    for &v in values {
+        debug_assert!((v as u32) < (1u32 << bits));
+        acc |= (v as u32) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            buf[pos] = acc as u8;
+            pos += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        buf[pos] = acc as u8;
+    }
+}
+
+/// Reads `count` values of `bits` bits from `bytes` (which must be exactly
+/// `packed_len(count, bits)` long, padding bits zero).
+pub fn unpack(bytes: &[u8], count: usize, bits: u32) -> Result<Vec<u16>> {
+    if !(1..=16).contains(&bits) {
+        return Err(Error::Format(format!("bit width {bits} out of range")));
+    }
+    if bytes.len() != packed_len(count, bits) {
+        return Err(Error::Format("packed section has the wrong length".into()));
+    }
+    let mask = ((1u32 << bits) - 1) as u32;
+    let mut out = Vec::with_capacity(count);
+    let mut acc: u32 = 0;
+    let mut nacc: u32 = 0;
+    let mut pos = 0;
+    for _ in 0..count {
+        while nacc < bits {
+            acc |= (bytes[pos] as u32) << nacc;
+            pos += 1;
+            nacc += 8;
+        }
+        out.push((acc & mask) as u16);
+        acc >>= bits;
+        nacc -= bits;
+    }
+    if acc != 0 {
+        return Err(Error::Format("non-zero padding bits in packed section".into()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn roundtrip(bits in 1u32..=16, raw in proptest::collection::vec(any::<u16>(), 0..300)) {
+            let vals: Vec<u16> = raw.iter().map(|v| (*v as u32 & ((1u32 << bits) - 1)) as u16).collect();
+            let mut buf = vec![0xAB];
+            pack_into(&vals, bits, &mut buf);
+            prop_assert_eq!(buf.len(), 1 + packed_len(vals.len(), bits));
+            let back = unpack(&buf[1..], vals.len(), bits).unwrap();
+            prop_assert_eq!(back, vals);
+        }
+    }
+
+    #[test]
+    fn rejects_dirty_padding_and_bad_length() {
+        let mut buf = Vec::new();
+        pack_into(&[1, 2, 3], 3, &mut buf); // 9 bits -> 2 bytes, 7 padding bits
+        assert_eq!(buf.len(), 2);
+        let mut dirty = buf.clone();
+        dirty[1] |= 0x80;
+        assert!(unpack(&dirty, 3, 3).is_err());
+        assert!(unpack(&buf[..1], 3, 3).is_err());
+        assert_eq!(unpack(&buf, 3, 3).unwrap(), vec![1, 2, 3]);
+    }
+}

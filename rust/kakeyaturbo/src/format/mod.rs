@@ -1,0 +1,50 @@
+//! Wire format, version 1. Everything little-endian; the layout reads like a spec.
+//!
+//! ```text
+//! layer   := header [centroids] [shared_basis] block* crc32
+//! header  := magic "KKTB" | version u16 | flags u16 | n_tokens u32 | head_dim u32
+//!            | n_blocks u32 | input_dtype u8 | skeleton_dtype u8 | bit_width u8 | metric u8
+//!            | pca_method u8 | custom_centroids u8 | reserved u16 (= 0)
+//!            | block_size u32 | variance_ratio f32 | rank_cap u32 | k u32 | kmeans_iters u32
+//!            | target_rank u32 | oversample u32 | power_iters u32 | outlier_threshold f32
+//!            | seed u64                                                       (72 bytes)
+//! centroids      := f32 x 2^bit_width                       (if custom_centroids = 1)
+//! shared_basis   := d_eff u32 | mean S x D | basis S x d_eff x D    (if FLAG_SHARED_BASIS)
+//! block   := n u32 | d_eff u32 | k_used u32 | n_outliers u32 | kmeans_iters u32
+//!            | [mean S x D | basis S x d_eff x D]                     (if no shared basis)
+//!            | centres S x k_used x d_eff
+//!            | labels: ceil(log2 k_used) bits x n, packed            (if k_used > 1)
+//!            | t: f16 x n                                              (if k_used > 0)
+//!            | scales: f16 x n
+//!            | codes: bit_width bits x n x W, packed, W = next_pow2(d_eff)
+//!            | outliers: (position u32, value f16) x n_outliers, positions ascending
+//! crc32   := CRC-32 (IEEE) of every preceding byte
+//! ```
+//! `S` is the skeleton dtype's size (2 for f16/bf16, 4 for f32). Packed sections are LSB
+//! first with zero padding bits. Blocks hold `block_size` vectors except the last.
+//! The reader checks the checksum, every enum value, every reserved bit, every declared
+//! count against its limit and against the bytes actually left before allocating, and
+//! every stored float for finiteness.
+
+mod reader;
+mod writer;
+
+pub use reader::{read_layer, ParsedBlock, ParsedLayer};
+pub use writer::write_layer;
+
+/// The four bytes every encoded layer starts with.
+pub const MAGIC: [u8; 4] = *b"KKTB";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u16 = 1;
+/// Header flag: one basis for the whole layer, stored once before the blocks.
+pub const FLAG_SHARED_BASIS: u16 = 1 << 0;
+/// Flags this version knows; any other set bit is an error.
+pub const KNOWN_FLAGS: u16 = FLAG_SHARED_BASIS;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 72;
+/// Size of a block's fixed header.
+pub const BLOCK_HEADER_LEN: usize = 20;
+/// Size of the trailing checksum.
+pub const CRC_LEN: usize = 4;
+/// Largest token count in one encoded layer.
+pub const MAX_TOKENS: usize = 1 << 31;

@@ -1,0 +1,363 @@
+//! Parses an encoded layer, treating every byte as hostile: each count is checked against
+//! its limit and against the bytes left *before* anything is allocated for it.
+
+use half::{bf16, f16};
+
+use super::{
+    BLOCK_HEADER_LEN, CRC_LEN, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS,
+    MAGIC, MAX_TOKENS,
+};
+use crate::bitpack::{packed_len, unpack};
+use crate::codec::{label_bits, EncodedBlock, SharedBasis};
+use crate::error::{Error, Result};
+use crate::params::{
+    CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype, MAX_BLOCK_SIZE, MAX_HEAD_DIM,
+};
+use crate::wht::padded_len;
+
+/// A block as read from the wire (codes unpacked).
+pub type ParsedBlock = EncodedBlock;
+
+/// A fully validated layer.
+#[derive(Debug, Clone)]
+pub struct ParsedLayer {
+    /// The parameters the layer was encoded with.
+    pub params: CodecParams,
+    /// Number of vectors.
+    pub n_tokens: usize,
+    /// Vector length.
+    pub head_dim: usize,
+    /// Dtype of the original input.
+    pub input_dtype: InputDtype,
+    /// The shared basis, if the layer has one.
+    pub shared: Option<SharedBasis>,
+    /// The blocks in token order.
+    pub blocks: Vec<ParsedBlock>,
+}
+
+fn bad<T>(msg: impl Into<String>) -> Result<T> {
+    Err(Error::Format(msg.into()))
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, len: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(len).filter(|&e| e <= self.buf.len());
+        match end {
+            Some(end) => {
+                let s = &self.buf[self.pos..end];
+                self.pos = end;
+                Ok(s)
+            }
+            None => Err(Error::Truncated {
+                needed: self.pos.saturating_add(len).saturating_add(CRC_LEN),
+                available: self.buf.len() + CRC_LEN,
+            }),
+        }
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap()))
+    }
+    fn u32(&mut self) -> Result<usize> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()) as usize)
+    }
+    fn f32(&mut self) -> Result<f32> {
+        Ok(f32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// `count` elements of `size` bytes, with the size product checked first.
+    fn array(&mut self, count: usize, size: usize, what: &str) -> Result<&'a [u8]> {
+        let len = count
+            .checked_mul(size)
+            .ok_or_else(|| Error::Format(format!("{what}: size overflows")))?;
+        self.take(len)
+    }
+    fn skeleton(&mut self, count: usize, dt: SkeletonDtype, what: &str) -> Result<Vec<f32>> {
+        let raw = self.array(count, dt.size(), what)?;
+        let vals: Vec<f32> = match dt {
+            SkeletonDtype::F16 => raw
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            SkeletonDtype::Bf16 => raw
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            SkeletonDtype::F32 => raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        };
+        finite(&vals, what)?;
+        Ok(vals)
+    }
+    fn f16s(&mut self, count: usize, what: &str) -> Result<Vec<f16>> {
+        let raw = self.array(count, 2, what)?;
+        let vals: Vec<f16> = raw
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        if vals.iter().any(|v| !v.is_finite()) {
+            return bad(format!("{what}: non-finite value"));
+        }
+        Ok(vals)
+    }
+}
+
+fn finite(vals: &[f32], what: &str) -> Result<()> {
+    if vals.iter().any(|v| !v.is_finite()) {
+        return bad(format!("{what}: non-finite value"));
+    }
+    Ok(())
+}
+
+fn input_dtype(code: u8) -> Result<InputDtype> {
+    Ok(match code {
+        0 => InputDtype::F32,
+        1 => InputDtype::F16,
+        2 => InputDtype::Bf16,
+        _ => return bad(format!("unknown input dtype code {code}")),
+    })
+}
+
+fn skeleton_dtype(code: u8) -> Result<SkeletonDtype> {
+    Ok(match code {
+        0 => SkeletonDtype::F16,
+        1 => SkeletonDtype::Bf16,
+        2 => SkeletonDtype::F32,
+        _ => return bad(format!("unknown skeleton dtype code {code}")),
+    })
+}
+
+/// Parses and validates a whole layer.
+pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
+    if bytes.len() < 8 {
+        return Err(Error::Truncated {
+            needed: HEADER_LEN + CRC_LEN,
+            available: bytes.len(),
+        });
+    }
+    if bytes[..4] != MAGIC {
+        return bad("bad magic: not a kakeyaturbo encoded layer");
+    }
+    let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    if version != FORMAT_VERSION {
+        return Err(Error::UnsupportedVersion(version));
+    }
+    if bytes.len() < HEADER_LEN + CRC_LEN {
+        return Err(Error::Truncated {
+            needed: HEADER_LEN + CRC_LEN,
+            available: bytes.len(),
+        });
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - CRC_LEN);
+    let stored = u32::from_le_bytes(crc.try_into().unwrap());
+    let computed = crc32fast::hash(body);
+    if stored != computed {
+        return Err(Error::Checksum { stored, computed });
+    }
+    let mut c = Cursor { buf: body, pos: 6 };
+    let flags = c.u16()?;
+    if flags & !KNOWN_FLAGS != 0 {
+        return bad(format!("unknown flag bits {flags:#06x}"));
+    }
+    let n_tokens = c.u32()?;
+    let head_dim = c.u32()?;
+    let n_blocks = c.u32()?;
+    let in_dtype = input_dtype(c.u8()?)?;
+    let sk_dtype = skeleton_dtype(c.u8()?)?;
+    let bit_width = c.u8()?;
+    let metric = match c.u8()? {
+        0 => Metric::Mse,
+        1 => Metric::InnerProduct,
+        m => return bad(format!("unknown metric code {m}")),
+    };
+    let pca_method = match c.u8()? {
+        0 => PcaMethod::Exact,
+        1 => PcaMethod::Randomized,
+        m => return bad(format!("unknown pca method code {m}")),
+    };
+    let custom = match c.u8()? {
+        0 => false,
+        1 => true,
+        v => return bad(format!("custom-centroid flag must be 0 or 1, got {v}")),
+    };
+    if c.u16()? != 0 {
+        return bad("reserved header bytes are not zero");
+    }
+    let mut params = CodecParams {
+        block_size: c.u32()?,
+        bit_width,
+        pca_method,
+        variance_ratio: c.f32()?,
+        rank_cap: c.u32()?,
+        k: c.u32()?,
+        kmeans_iters: c.u32()?,
+        target_rank: c.u32()?,
+        oversample: c.u32()?,
+        power_iters: c.u32()?,
+        metric,
+        outlier_threshold: c.f32()?,
+        skeleton_dtype: sk_dtype,
+        seed: c.u64()?,
+        share_basis: flags & FLAG_SHARED_BASIS != 0,
+        centroids: None,
+    };
+    // validate() bounds every count below by its limit (block size, k, ranks).
+    params
+        .validate()
+        .map_err(|e| Error::Format(format!("header parameters: {e}")))?;
+    if custom {
+        let n = 1usize << bit_width;
+        let raw = c.array(n, 4, "centroids")?;
+        let cents: Vec<f32> = raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        params.centroids = Some(cents);
+        params
+            .validate()
+            .map_err(|e| Error::Format(format!("centroids: {e}")))?;
+    }
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return bad(format!("head_dim {head_dim} outside 1..={MAX_HEAD_DIM}"));
+    }
+    if n_tokens == 0 || n_tokens > MAX_TOKENS {
+        return bad(format!("n_tokens {n_tokens} outside 1..={MAX_TOKENS}"));
+    }
+    debug_assert!(params.block_size <= MAX_BLOCK_SIZE);
+    if n_blocks != n_tokens.div_ceil(params.block_size) {
+        return bad(format!(
+            "{n_blocks} blocks cannot hold {n_tokens} tokens at block size {}",
+            params.block_size
+        ));
+    }
+    let max_rank = params.max_rank(head_dim);
+    let s = sk_dtype;
+    let shared = if params.share_basis {
+        let d_eff = c.u32()?;
+        if d_eff == 0 || d_eff > max_rank {
+            return bad(format!("shared d_eff {d_eff} outside 1..={max_rank}"));
+        }
+        let mean = c.skeleton(head_dim, s, "shared mean")?;
+        let basis = c.skeleton(d_eff * head_dim, s, "shared basis")?;
+        Some(SharedBasis { d_eff, mean, basis })
+    } else {
+        None
+    };
+    // Each block needs at least its header, so a hostile n_blocks cannot allocate much.
+    if n_blocks.saturating_mul(BLOCK_HEADER_LEN) > body.len() - c.pos {
+        return Err(Error::Truncated {
+            needed: c.pos + n_blocks * BLOCK_HEADER_LEN + CRC_LEN,
+            available: bytes.len(),
+        });
+    }
+    let mut blocks = Vec::with_capacity(n_blocks);
+    for bi in 0..n_blocks {
+        let want_n = if bi + 1 == n_blocks {
+            n_tokens - bi * params.block_size
+        } else {
+            params.block_size
+        };
+        let n = c.u32()?;
+        if n != want_n {
+            return bad(format!("block {bi} holds {n} vectors, expected {want_n}"));
+        }
+        let d_eff = c.u32()?;
+        let k_used = c.u32()?;
+        let n_outliers = c.u32()?;
+        let kmeans_iters = c.u32()?;
+        match &shared {
+            Some(sb) if d_eff != sb.d_eff => {
+                return bad(format!("block {bi}: d_eff {d_eff} differs from shared basis"))
+            }
+            _ if d_eff == 0 || d_eff > max_rank => {
+                return bad(format!("block {bi}: d_eff {d_eff} outside 1..={max_rank}"))
+            }
+            _ => {}
+        }
+        if k_used > params.k.min(n) {
+            return bad(format!("block {bi}: {k_used} centres exceed k or the block size"));
+        }
+        if kmeans_iters > params.kmeans_iters {
+            return bad(format!("block {bi}: k-means iteration count exceeds the limit"));
+        }
+        let w = padded_len(d_eff);
+        let n_codes = n * w;
+        if n_outliers > n_codes {
+            return bad(format!("block {bi}: more outliers than coordinates"));
+        }
+        let (mean, basis) = if shared.is_none() {
+            (
+                c.skeleton(head_dim, s, "block mean")?,
+                c.skeleton(d_eff * head_dim, s, "block basis")?,
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let centres = c.skeleton(k_used * d_eff, s, "centres")?;
+        let lb = label_bits(k_used);
+        let labels = if lb > 0 {
+            let raw = c.take(packed_len(n, lb))?;
+            let l = unpack(raw, n, lb)?;
+            if l.iter().any(|&v| v as usize >= k_used) {
+                return bad(format!("block {bi}: centre label out of range"));
+            }
+            l
+        } else if k_used == 1 {
+            vec![0; n]
+        } else {
+            Vec::new()
+        };
+        let t = if k_used > 0 { c.f16s(n, "t")? } else { Vec::new() };
+        let scales = c.f16s(n, "scales")?;
+        let raw = c.take(packed_len(n_codes, bit_width as u32))?;
+        let codes = unpack(raw, n_codes, bit_width as u32)?;
+        let raw = c.array(n_outliers, 6, "outliers")?;
+        let mut outliers = Vec::with_capacity(n_outliers);
+        let mut last: Option<u32> = None;
+        for o in raw.chunks_exact(6) {
+            let pos = u32::from_le_bytes(o[..4].try_into().unwrap());
+            let v = f16::from_le_bytes([o[4], o[5]]);
+            if pos as usize >= n_codes || last.is_some_and(|l| pos <= l) || !v.is_finite() {
+                return bad(format!("block {bi}: invalid outlier entry"));
+            }
+            last = Some(pos);
+            outliers.push((pos, v));
+        }
+        blocks.push(EncodedBlock {
+            n,
+            d_eff,
+            kmeans_iters: kmeans_iters as u32,
+            mean,
+            basis,
+            k_used,
+            centres,
+            labels,
+            t,
+            scales,
+            codes,
+            outliers,
+        });
+    }
+    if c.pos != body.len() {
+        return bad(format!("{} trailing bytes after the last block", body.len() - c.pos));
+    }
+    Ok(ParsedLayer {
+        params,
+        n_tokens,
+        head_dim,
+        input_dtype: in_dtype,
+        shared,
+        blocks,
+    })
+}

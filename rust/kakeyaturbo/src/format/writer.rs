@@ -1,0 +1,127 @@
+//! Serialises an encoded layer (see the module docs for the layout).
+
+use half::{bf16, f16};
+
+use super::{FLAG_SHARED_BASIS, FORMAT_VERSION, MAGIC};
+use crate::bitpack::pack_into;
+use crate::codec::{label_bits, EncodedBlock, SharedBasis};
+use crate::params::{CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
+use crate::wht::padded_len;
+
+pub(crate) fn dtype_code(d: InputDtype) -> u8 {
+    match d {
+        InputDtype::F32 => 0,
+        InputDtype::F16 => 1,
+        InputDtype::Bf16 => 2,
+    }
+}
+
+pub(crate) fn skeleton_code(d: SkeletonDtype) -> u8 {
+    match d {
+        SkeletonDtype::F16 => 0,
+        SkeletonDtype::Bf16 => 1,
+        SkeletonDtype::F32 => 2,
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, v: usize) {
+    out.extend_from_slice(&(v as u32).to_le_bytes());
+}
+
+fn put_skeleton(out: &mut Vec<u8>, vals: &[f32], dt: SkeletonDtype) {
+    for &v in vals {
+        match dt {
+            SkeletonDtype::F16 => out.extend_from_slice(&f16::from_f32(v).to_le_bytes()),
+            SkeletonDtype::Bf16 => out.extend_from_slice(&bf16::from_f32(v).to_le_bytes()),
+            SkeletonDtype::F32 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+    }
+}
+
+fn put_f16s(out: &mut Vec<u8>, vals: &[f16]) {
+    for v in vals {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Writes a whole layer, checksum included.
+pub fn write_layer(
+    p: &CodecParams,
+    n_tokens: usize,
+    head_dim: usize,
+    input_dtype: InputDtype,
+    shared: Option<&SharedBasis>,
+    blocks: &[EncodedBlock],
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(super::HEADER_LEN + blocks.iter().map(|b| b.n * 8).sum::<usize>());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    let flags: u16 = if shared.is_some() { FLAG_SHARED_BASIS } else { 0 };
+    out.extend_from_slice(&flags.to_le_bytes());
+    put_u32(&mut out, n_tokens);
+    put_u32(&mut out, head_dim);
+    put_u32(&mut out, blocks.len());
+    out.push(dtype_code(input_dtype));
+    out.push(skeleton_code(p.skeleton_dtype));
+    out.push(p.bit_width);
+    out.push(match p.metric {
+        Metric::Mse => 0,
+        Metric::InnerProduct => 1,
+    });
+    out.push(match p.pca_method {
+        PcaMethod::Exact => 0,
+        PcaMethod::Randomized => 1,
+    });
+    out.push(p.centroids.is_some() as u8);
+    out.extend_from_slice(&0u16.to_le_bytes());
+    put_u32(&mut out, p.block_size);
+    out.extend_from_slice(&p.variance_ratio.to_le_bytes());
+    put_u32(&mut out, p.rank_cap);
+    put_u32(&mut out, p.k);
+    put_u32(&mut out, p.kmeans_iters);
+    put_u32(&mut out, p.target_rank);
+    put_u32(&mut out, p.oversample);
+    put_u32(&mut out, p.power_iters);
+    out.extend_from_slice(&p.outlier_threshold.to_le_bytes());
+    out.extend_from_slice(&p.seed.to_le_bytes());
+    debug_assert_eq!(out.len(), super::HEADER_LEN);
+    if let Some(c) = &p.centroids {
+        for v in c {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    if let Some(s) = shared {
+        put_u32(&mut out, s.d_eff);
+        put_skeleton(&mut out, &s.mean, p.skeleton_dtype);
+        put_skeleton(&mut out, &s.basis, p.skeleton_dtype);
+    }
+    for b in blocks {
+        put_u32(&mut out, b.n);
+        put_u32(&mut out, b.d_eff);
+        put_u32(&mut out, b.k_used);
+        put_u32(&mut out, b.outliers.len());
+        put_u32(&mut out, b.kmeans_iters as usize);
+        if shared.is_none() {
+            put_skeleton(&mut out, &b.mean, p.skeleton_dtype);
+            put_skeleton(&mut out, &b.basis, p.skeleton_dtype);
+        }
+        put_skeleton(&mut out, &b.centres, p.skeleton_dtype);
+        let lb = label_bits(b.k_used);
+        if lb > 0 {
+            pack_into(&b.labels, lb, &mut out);
+        }
+        if b.k_used > 0 {
+            put_f16s(&mut out, &b.t);
+        }
+        put_f16s(&mut out, &b.scales);
+        debug_assert_eq!(b.codes.len(), b.n * padded_len(b.d_eff));
+        pack_into(&b.codes, p.bit_width as u32, &mut out);
+        for (pos, v) in &b.outliers {
+            out.extend_from_slice(&pos.to_le_bytes());
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}

@@ -1,0 +1,39 @@
+//! # kakeyaturbo
+//!
+//! A lossy codec for the key/value cache of transformer language models. A layer's
+//! vectors (one attention head's keys or values, `[tokens, head_dim]`) are cut into
+//! blocks; each block goes through:
+//!
+//! 1. **Weighted PCA** ([`pca`], [`rsvd`]): mean and an orthonormal basis of `d_eff`
+//!    components, exact or by the Halko-Martinsson-Tropp randomized range finder.
+//! 2. **Spherical k-means skeleton** ([`kmeans`]): each coefficient vector stores a
+//!    centre id and a scalar `t`; the residual is `coeff - t * centre`.
+//! 3. **Rotation** ([`wht`]): seeded random signs and an *orthonormal* Walsh-Hadamard
+//!    transform, then a per-vector scale so the coordinates have unit second moment.
+//! 4. **Lloyd-Max scalar quantisation** ([`lloyd_max`]) with Gaussian or calibrated
+//!    codebooks, and **sparse outliers** ([`outliers`]) for coordinates beyond a threshold.
+//! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format ([`format`]).
+//!
+//! The pipeline lives in [`codec`]; parameters in [`params`]. The decoder treats every
+//! byte as hostile: decoding either succeeds or returns [`Error`], never panics.
+#![forbid(unsafe_code)]
+
+pub mod bitpack;
+pub mod codec;
+pub mod error;
+pub mod format;
+pub mod kmeans;
+pub mod lloyd_max;
+pub mod outliers;
+pub mod params;
+pub mod pca;
+pub mod rng;
+pub mod rsvd;
+pub mod wht;
+
+pub use codec::{
+    decode_layer, encode_block, encode_layer, stage_errors, BlockStats, EncodedBlock,
+    EncodedLayer, SharedBasis, StageErrors,
+};
+pub use error::{Error, Result};
+pub use params::{CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};

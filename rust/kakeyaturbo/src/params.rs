@@ -1,0 +1,240 @@
+//! Codec parameters and their validation. Every combination that cannot work is rejected
+//! here, at construction, so the encoder never has to guess.
+
+use crate::error::{Error, Result};
+
+/// How the PCA basis is fitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PcaMethod {
+    /// Eigendecomposition of the weighted covariance (D x D): exact, O(n D^2 + D^3).
+    Exact,
+    /// Halko-Martinsson-Tropp randomized range finder: O(n D r), for large D.
+    Randomized,
+}
+
+/// The error metric the encoder optimises for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// Minimise squared error: the per-vector scale is the least-squares fit of the
+    /// dequantised residual to the true one (it shrinks towards zero, like any MSE-optimal
+    /// quantiser).
+    Mse,
+    /// Preserve inner products with the original vector (for keys, whose error matters
+    /// only through `q . k`): the per-vector scale makes `<r_hat, r> = |r|^2`, undoing the
+    /// shrinkage of MSE quantisers that shrinks attention logits and flattens softmax.
+    InnerProduct,
+}
+
+/// Storage precision of the side information (means, bases, centres).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SkeletonDtype {
+    /// IEEE half precision: 2 bytes.
+    F16,
+    /// bfloat16: 2 bytes, wider range, less precision.
+    Bf16,
+    /// IEEE single precision: 4 bytes.
+    F32,
+}
+
+impl SkeletonDtype {
+    /// Bytes per stored element.
+    pub fn size(self) -> usize {
+        match self {
+            SkeletonDtype::F16 | SkeletonDtype::Bf16 => 2,
+            SkeletonDtype::F32 => 4,
+        }
+    }
+}
+
+/// The dtype of the tensor that was encoded (decode returns the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputDtype {
+    /// float32.
+    F32,
+    /// float16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+/// Largest head dimension accepted (WHT length is the next power of two of `d_eff`).
+pub const MAX_HEAD_DIM: usize = 4096;
+/// Largest block size accepted.
+pub const MAX_BLOCK_SIZE: usize = 65_536;
+/// Largest number of k-means centres.
+pub const MAX_K: usize = 4096;
+
+/// Every knob of the codec. Construct with [`CodecParams::default`] and adjust, then
+/// call [`CodecParams::validate`] (the encoder does it too).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CodecParams {
+    /// Vectors per block; the last block of a layer may be shorter.
+    pub block_size: usize,
+    /// Bits per rotated residual coordinate: 1, 2, 3, 4 or 8.
+    pub bit_width: u8,
+    /// Exact or randomized PCA.
+    pub pca_method: PcaMethod,
+    /// Randomized PCA: components sought (0 means "head_dim").
+    pub target_rank: usize,
+    /// Randomized PCA: extra random directions beyond `target_rank`.
+    pub oversample: usize,
+    /// Randomized PCA: power iterations (sharpen a slowly decaying spectrum).
+    pub power_iters: usize,
+    /// Keep the fewest leading components whose variance share reaches this (0, 1].
+    pub variance_ratio: f32,
+    /// Upper bound on kept components (0 means "no cap").
+    pub rank_cap: usize,
+    /// Fit one pooled basis per layer and store it once, instead of one per block.
+    pub share_basis: bool,
+    /// Number of spherical k-means centres; 0 disables the skeleton.
+    pub k: usize,
+    /// Maximum Lloyd iterations of the spherical k-means.
+    pub kmeans_iters: usize,
+    /// Error metric (see [`Metric`]).
+    pub metric: Metric,
+    /// Scaled coordinates with |v| above this are stored exactly; `inf` disables.
+    pub outlier_threshold: f32,
+    /// Precision of means, bases and centres.
+    pub skeleton_dtype: SkeletonDtype,
+    /// Seed for the WHT signs, k-means initialisation and randomized PCA.
+    pub seed: u64,
+    /// Calibrated Lloyd-Max centroids (2^bit_width, strictly ascending); `None` uses the
+    /// Gaussian codebook.
+    pub centroids: Option<Vec<f32>>,
+}
+
+impl Default for CodecParams {
+    fn default() -> Self {
+        CodecParams {
+            block_size: 512,
+            bit_width: 3,
+            pca_method: PcaMethod::Exact,
+            target_rank: 0,
+            oversample: 8,
+            power_iters: 2,
+            variance_ratio: 1.0,
+            rank_cap: 0,
+            share_basis: false,
+            k: 16,
+            kmeans_iters: 8,
+            metric: Metric::Mse,
+            outlier_threshold: 4.0,
+            skeleton_dtype: SkeletonDtype::F16,
+            seed: 0,
+            centroids: None,
+        }
+    }
+}
+
+fn invalid<T>(msg: String) -> Result<T> {
+    Err(Error::InvalidParams(msg))
+}
+
+impl CodecParams {
+    /// Checks every field and every combination; the message names the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return invalid(format!(
+                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {}",
+                self.block_size
+            ));
+        }
+        if !matches!(self.bit_width, 1 | 2 | 3 | 4 | 8) {
+            return invalid(format!(
+                "bit_width must be 1, 2, 3, 4 or 8, got {}",
+                self.bit_width
+            ));
+        }
+        if !(self.variance_ratio > 0.0 && self.variance_ratio <= 1.0) {
+            return invalid(format!(
+                "variance_ratio must be in (0, 1], got {}",
+                self.variance_ratio
+            ));
+        }
+        if self.k > MAX_K {
+            return invalid(format!("k must be at most {MAX_K}, got {}", self.k));
+        }
+        if self.k > 0 && self.kmeans_iters == 0 {
+            return invalid("kmeans_iters must be >= 1 when k > 0".into());
+        }
+        if self.k > self.block_size {
+            return invalid(format!(
+                "k ({}) cannot exceed block_size ({})",
+                self.k, self.block_size
+            ));
+        }
+        if self.outlier_threshold.is_nan() || self.outlier_threshold <= 0.0 {
+            return invalid(format!(
+                "outlier_threshold must be > 0 (inf disables), got {}",
+                self.outlier_threshold
+            ));
+        }
+        if self.target_rank > MAX_HEAD_DIM || self.rank_cap > MAX_HEAD_DIM {
+            return invalid(format!(
+                "target_rank and rank_cap must be at most {MAX_HEAD_DIM}"
+            ));
+        }
+        if self.oversample > 1024 || self.power_iters > 64 {
+            return invalid("oversample must be <= 1024 and power_iters <= 64".into());
+        }
+        if self.pca_method == PcaMethod::Exact && self.target_rank != 0 {
+            return invalid("target_rank applies only to pca_method='randomized'".into());
+        }
+        if let Some(c) = &self.centroids {
+            let want = 1usize << self.bit_width;
+            if c.len() != want {
+                return invalid(format!(
+                    "centroids must hold 2**bit_width = {want} values, got {}",
+                    c.len()
+                ));
+            }
+            if c.iter().any(|v| !v.is_finite()) {
+                return invalid("centroids must be finite".into());
+            }
+            if c.windows(2).any(|w| w[0] >= w[1]) {
+                return invalid("centroids must be strictly ascending".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Components kept for a head dimension `d` before the variance rule.
+    pub fn max_rank(&self, d: usize) -> usize {
+        let mut r = d;
+        if self.rank_cap > 0 {
+            r = r.min(self.rank_cap);
+        }
+        if self.pca_method == PcaMethod::Randomized && self.target_rank > 0 {
+            r = r.min(self.target_rank);
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        CodecParams::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_fields() {
+        let bad = [
+            CodecParams { bit_width: 5, ..Default::default() },
+            CodecParams { block_size: 0, ..Default::default() },
+            CodecParams { variance_ratio: 0.0, ..Default::default() },
+            CodecParams { variance_ratio: 1.5, ..Default::default() },
+            CodecParams { outlier_threshold: f32::NAN, ..Default::default() },
+            CodecParams { k: 1000, block_size: 64, ..Default::default() },
+            CodecParams { target_rank: 8, ..Default::default() },
+            CodecParams { centroids: Some(vec![0.0, 1.0]), ..Default::default() },
+            CodecParams { bit_width: 1, centroids: Some(vec![1.0, -1.0]), ..Default::default() },
+        ];
+        for p in bad {
+            assert!(matches!(p.validate(), Err(Error::InvalidParams(_))), "{p:?}");
+        }
+    }
+}

@@ -1,0 +1,159 @@
+"""`memory_report()` is exact: checked against an independent walk of everything the cache holds,
+and against a DynamicCache filled with the same 2,000 tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+kt = pytest.importorskip("kakeyaturbo")
+pytest.importorskip("kakeyaturbo.hf")
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+from kakeyaturbo.hf import KakeyaCache  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+MODEL_DIR = SHARED / "models" / "kt-ref-a"
+TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
+N_TOKENS = 2000
+
+pytestmark = pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    text = TEXT.read_text(encoding="utf-8")[:120_000]
+    out = tok(text, return_tensors="pt").input_ids[:, :N_TOKENS]
+    assert out.shape[1] == N_TOKENS
+    return out
+
+
+def held_bytes(obj) -> tuple[int, int, int]:
+    """Walk what `obj` holds: (tensor storage bytes, encoded-block bytes, encoded blocks).
+    Storages and blocks reachable twice are counted once; views count their whole storage."""
+    storages, encs, seen = {}, {}, set()
+
+    def walk(x):
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            storages[st.data_ptr(), x.device] = st.nbytes()
+        elif isinstance(x, kt.EncodedLayer):
+            encs[id(x)] = x.nbytes
+        elif isinstance(x, (list, tuple, set)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif type(x).__module__.startswith(("kakeyaturbo.hf", "transformers.cache_utils")):
+            for y in vars(x).values():
+                walk(y)
+
+    walk(obj)
+    return sum(storages.values()), sum(encs.values()), len(encs)
+
+
+def dynamic_bytes(cache: DynamicCache) -> int:
+    return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.inference_mode()
+def fill(model, ids, cache, steps: int = 8):
+    """Prefill all but `steps` tokens, then decode the rest one by one (exercises streaming)."""
+    model(ids[:, : N_TOKENS - steps], past_key_values=cache, use_cache=True)
+    for i in range(N_TOKENS - steps, N_TOKENS):
+        model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def dynamic(model, ids):
+    return fill(model, ids, DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_report_is_exact_and_beats_dynamic_cache(model, ids, dynamic, pre_rope):
+    cache = fill(model, ids, KakeyaCache.from_model(model, pre_rope=pre_rope))
+    rep = cache.memory_report()
+    tensors, enc_bytes, n_encs = held_bytes(cache)
+
+    # Compressed bytes are exactly the encoded blocks held, and each size is its wire size.
+    assert rep["compressed_bytes"] == enc_bytes > 0
+    some = cache.layers[0]._blocks[0].k[0]
+    assert some.nbytes == len(some.to_bytes())
+    # Every tensor held is accounted for: nothing decoded is hidden beside the blocks.
+    assert rep["decoded_cache_bytes"] == 0
+    assert rep["full_precision_bytes"] + rep["aux_bytes"] == tensors
+    assert rep["total_bytes"] == tensors + enc_bytes
+    assert sum(layer["total_bytes"] for layer in rep["layers"]) == rep["total_bytes"]
+
+    # The ratio is the measured one against a DynamicCache holding the same tokens.
+    dyn = dynamic_bytes(dynamic)
+    assert rep["dense_bytes"] == dyn
+    assert rep["ratio"] == pytest.approx(dyn / (tensors + enc_bytes), rel=1e-12)
+    assert rep["ratio"] > 2.0  # float32 model: the default recipe must save real memory
+    assert rep["bf16_equivalent_bytes"] == dyn // 2
+    assert rep["tokens"] == 6 * N_TOKENS
+
+    # The hot window is bounded: only the newest (< residual + block) tokens stay exact.
+    layer = cache.layers[0]
+    hot = layer._hot_k.shape[-2]
+    assert cache.residual_length <= hot < cache.residual_length + layer.block_size
+    assert layer.compressed_length + hot == N_TOKENS
+    assert n_encs == 6 * 2 * 2 * (layer.compressed_length // layer.block_size)  # layers * K/V * heads * blocks
+
+
+def test_decoded_budget_is_bounded_and_counted(model, ids):
+    k = kt.CodecParams(block_size=256)
+    # Room for exactly 3 decoded blocks (K+V, 2 heads, 64 dims, fp32) across the cache.
+    per_block = 2 * 2 * 256 * 64 * 4
+    cache = fill(model, ids, KakeyaCache.from_model(model, k_params=k, decoded_cache_bytes=3 * per_block + 7), steps=4)
+    rep = cache.memory_report()
+    tensors, enc_bytes, _ = held_bytes(cache)
+    assert rep["decoded_cache_bytes"] == 3 * per_block
+    assert rep["total_bytes"] == tensors + enc_bytes
+    assert rep["decoded_cache_budget_bytes"] == 3 * per_block + 7
+
+    # Decoded blocks kept under the budget give the same attention inputs as decoding afresh.
+    no_budget = fill(model, ids, KakeyaCache.from_model(model, k_params=k), steps=4)
+    with torch.inference_mode():
+        a = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+        b = model(ids[:, -1:], past_key_values=no_budget, use_cache=True).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    cache.reset()
+    assert cache.memory_report()["total_bytes"] == 0
+    assert cache._ctx.budget.used == 0
+
+
+def test_skip_layers_hold_exact_full_precision(model, ids, dynamic):
+    cache = fill(model, ids, KakeyaCache.from_model(model, skip_layers=[0, 5]))
+    rep = cache.memory_report()
+    for i in (0, 5):
+        assert rep["layers"][i]["kind"] == "full_precision"
+        assert rep["layers"][i]["compressed_bytes"] == 0
+        assert cache.layers[i].keys.shape == dynamic.layers[i].keys.shape
+        assert rep["layers"][i]["full_precision_bytes"] == rep["layers"][i]["dense_bytes"]
+    # Layer 0 sees the same inputs as in the DynamicCache run, so it holds the same bits.
+    assert torch.equal(cache.layers[0].keys, dynamic.layers[0].keys)
+    assert torch.equal(cache.layers[0].values, dynamic.layers[0].values)
+    assert rep["layers"][1]["kind"] == "compressed" and rep["layers"][1]["compressed_bytes"] > 0
+
+    # Skipping every layer is exactly DynamicCache (and says so).
+    with pytest.warns(UserWarning, match="no compressible"):
+        everything = KakeyaCache.from_model(model, skip_layers=range(6))
+    fill(model, ids, everything)
+    for mine, ref in zip(everything.layers, dynamic.layers, strict=True):
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    assert everything.memory_report()["ratio"] == 1.0
