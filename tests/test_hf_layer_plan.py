@@ -4,6 +4,8 @@ transformers keeps them, unsupported models are refused clearly."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -85,7 +87,7 @@ def test_forward_matches_dynamic_cache(name):
     model = AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 100))
     p = kt.CodecParams(**P8)
-    ctx = pytest.warns(UserWarning, match="no compressible") if name == "mistral_sliding" else _nullcontext()
+    ctx = pytest.warns(UserWarning, match="no compressible") if name == "mistral_sliding" else nullcontext()
     with ctx:
         cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8, sink_tokens=2)
     dyn = DynamicCache(config=cfg)
@@ -140,11 +142,3 @@ def test_unsupported_models_are_refused():
     KakeyaCache(cfg)
     with pytest.raises(NotImplementedError, match="yarn"):
         KakeyaCache(cfg, pre_rope=True)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

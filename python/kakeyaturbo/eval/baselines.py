@@ -215,6 +215,9 @@ class Kivi(Method):
     def resolved_params(self):
         return {f"{s}_{n}": v for s in ("k", "v") for n, v in zip(("bits", "group"), self.cfg[s])}
 
+    def block_tokens(self, stream):
+        return self.cfg["k"][1] if stream == "k" else 1
+
     def compress(self, x, layer, stream):
         bits, group = self.cfg[stream]
         # keys: per channel, groups run along tokens (dim 2); values: per token, along channels (dim 3)
@@ -366,8 +369,8 @@ class HFQuantizedCache(Method):
 
         return QuantizedCache(self.backend, config, **self.cache_kwargs())
 
-    def count(self, layer) -> tuple[ByteCount, int]:
-        """(counted bytes, allocated bytes) of one layer of a one-passage cache, K and V together."""
+    def count(self, layer) -> tuple[dict[str, ByteCount], int]:
+        """({"k": counted, "v": counted}, allocated bytes) of one layer of a one-passage cache."""
         raise NotImplementedError
 
     def compress(self, x, layer, stream):
@@ -404,12 +407,11 @@ class _GroupWiseHF(HFQuantizedCache):
         }
 
     def count(self, layer):
-        counted: ByteCount = {"codes": 0, "scales": 0}
+        counted: dict[str, ByteCount] = {}
         allocated = 0
-        for q in (layer._quantized_keys, layer._quantized_values):
+        for stream, q in (("k", layer._quantized_keys), ("v", layer._quantized_values)):
             numel, alloc = self._numel_and_alloc(q)
-            counted["codes"] += nominal_bytes(numel, self.nbits)
-            counted["scales"] += 4 * math.ceil(numel / self.group)
+            counted[stream] = {"codes": nominal_bytes(numel, self.nbits), "scales": 4 * math.ceil(numel / self.group)}
             allocated += alloc
         return counted, allocated
 
@@ -488,10 +490,9 @@ class HFFp8(HFQuantizedCache):
         return 8
 
     def count(self, layer):
-        counted: ByteCount = {"codes": 0, "scales": 0}
+        counted: dict[str, ByteCount] = {}
         allocated = 0
-        for q, scale in (layer._quantized_keys, layer._quantized_values):
-            counted["codes"] += q.numel()
-            counted["scales"] += 4
+        for stream, (q, scale) in (("k", layer._quantized_keys), ("v", layer._quantized_values)):
+            counted[stream] = {"codes": q.numel(), "scales": 4}
             allocated += q.numel() * q.element_size() + scale.numel() * scale.element_size()
         return counted, allocated

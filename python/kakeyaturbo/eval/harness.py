@@ -184,7 +184,8 @@ def _run_hf(model, method: HFQuantizedCache, batch: Batch) -> tuple[torch.Tensor
             # what the model's prefill does: the first update quantizes the whole prefix
             cache.update(layer.keys[i : i + 1].clone(), layer.values[i : i + 1].clone(), li)
             c, a = method.count(cache.layers[li])
-            _add(counted, c)
+            _add(counted, c["k"])
+            _add(counted, c["v"])
             alloc += a
         logits.append(_continue(model, cache, batch.cont[i : i + 1]))
         rows.append(counted)

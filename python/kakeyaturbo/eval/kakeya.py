@@ -65,6 +65,9 @@ class Kakeya(Method):
     def bits(self):
         return (self.codec["k"].bit_width + self.codec["v"].bit_width) / 2
 
+    def block_tokens(self, stream):
+        return int(self.codec[stream].block_size)
+
     def resolved_params(self):
         return {"recipe": self.recipe, "k": self.codec["k"].to_dict(), "v": self.codec["v"].to_dict()}
 

@@ -178,6 +178,11 @@ class Method:
         """Nominal bits per coordinate, for grouping sweeps (None when it has no such knob)."""
         return None
 
+    def block_tokens(self, stream: str) -> int:
+        """Tokens per independently stored unit of a stream (a block, a token group): bytes grow
+        by a constant per whole unit, which the byte projection relies on."""
+        return 1
+
     def resolved_params(self) -> dict[str, Any]:
         """Everything that determines the method's output, JSON-serialisable."""
         return dict(self.params)

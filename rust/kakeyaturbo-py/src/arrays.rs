@@ -31,7 +31,11 @@ impl<'a, 'py, D: Dimension> FromPyObject<'a, 'py> for ArrayIn<'py, D> {
         if let Ok(a) = obj.extract::<PyReadonlyArray<'py, u16, D>>() {
             return Ok(ArrayIn::U16(a));
         }
-        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
         let dims = D::NDIM.map(|n| format!("{n}-D ")).unwrap_or_default();
         Err(pyo3::exceptions::PyTypeError::new_err(format!(
             "expected a {dims}numpy array of float32, float16 or (bfloat16 bits as) uint16, got {ty}"
@@ -46,7 +50,10 @@ pub struct Values<'a> {
     pub dtype: InputDtype,
 }
 
-fn widen<T: Element + Copy, D: Dimension>(a: &PyReadonlyArray<'_, T, D>, f: impl Fn(T) -> f32) -> Vec<f32> {
+fn widen<T: Element + Copy, D: Dimension>(
+    a: &PyReadonlyArray<'_, T, D>,
+    f: impl Fn(T) -> f32,
+) -> Vec<f32> {
     match a.as_slice() {
         Ok(s) => s.iter().map(|&v| f(v)).collect(),
         Err(_) => a.as_array().iter().map(|&v| f(v)).collect(),
@@ -59,10 +66,16 @@ impl<D: Dimension> ArrayIn<'_, D> {
     pub fn values(&self, arg: &str, bf16_bits: bool) -> PyResult<Values<'_>> {
         let is_u16 = matches!(self, ArrayIn::U16(_));
         if bf16_bits && !is_u16 {
-            return Err(type_error(arg, "bf16_bits=True needs a uint16 array of raw bfloat16 bits"));
+            return Err(type_error(
+                arg,
+                "bf16_bits=True needs a uint16 array of raw bfloat16 bits",
+            ));
         }
         if is_u16 && !bf16_bits {
-            return Err(type_error(arg, "uint16 input is accepted only as raw bfloat16 bits (bf16_bits=True)"));
+            return Err(type_error(
+                arg,
+                "uint16 input is accepted only as raw bfloat16 bits (bf16_bits=True)",
+            ));
         }
         Ok(match self {
             ArrayIn::F32(a) => Values {

@@ -33,7 +33,9 @@ impl PyEncodedLayer {
     #[staticmethod]
     fn from_bytes(py: Python<'_>, data: &[u8]) -> PyResult<Self> {
         let owned = data.to_vec();
-        let inner = py.detach(|| EncodedLayer::from_bytes(owned)).map_err(to_py)?;
+        let inner = py
+            .detach(|| EncodedLayer::from_bytes(owned))
+            .map_err(to_py)?;
         Ok(PyEncodedLayer { inner })
     }
 
@@ -63,7 +65,9 @@ impl PyEncodedLayer {
     /// Parameters the layer was encoded with.
     #[getter]
     fn params(&self) -> PyCodecParams {
-        PyCodecParams { inner: self.inner.params().clone() }
+        PyCodecParams {
+            inner: self.inner.params().clone(),
+        }
     }
 
     /// One dict per block: n, d_eff, k_used, kmeans_iters, n_outliers.
@@ -82,7 +86,9 @@ impl PyEncodedLayer {
         Ok(list)
     }
 
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
         let from_bytes = slf.get_type().getattr("from_bytes")?;
         Ok((from_bytes, (slf.get().to_bytes(slf.py()),)))
     }
@@ -98,13 +104,21 @@ impl PyEncodedLayer {
     }
 }
 
-fn weights_slice<'a>(w: &'a Option<PyReadonlyArray1<'_, f32>>, n: usize) -> PyResult<Option<&'a [f32]>> {
+fn weights_slice<'a>(
+    w: &'a Option<PyReadonlyArray1<'_, f32>>,
+    n: usize,
+) -> PyResult<Option<&'a [f32]>> {
     match w {
         None => Ok(None),
         Some(a) => {
-            let s = a.as_slice().map_err(|_| type_error("weights", "must be a contiguous float32 array"))?;
+            let s = a
+                .as_slice()
+                .map_err(|_| type_error("weights", "must be a contiguous float32 array"))?;
             if s.len() != n {
-                return Err(PyValueError::new_err(format!("weights: has {} entries for {n} tokens", s.len())));
+                return Err(PyValueError::new_err(format!(
+                    "weights: has {} entries for {n} tokens",
+                    s.len()
+                )));
             }
             Ok(Some(s))
         }
@@ -152,24 +166,34 @@ pub fn encode_batch(
         .detach(|| {
             (0..s)
                 .into_par_iter()
-                .map(|i| core::encode_layer(&data[i * n * d..(i + 1) * n * d], n, d, None, p, dtype))
+                .map(|i| {
+                    core::encode_layer(&data[i * n * d..(i + 1) * n * d], n, d, None, p, dtype)
+                })
                 .collect::<Result<Vec<_>, _>>()
         })
         .map_err(to_py)?;
-    Ok(layers.into_iter().map(|inner| PyEncodedLayer { inner }).collect())
+    Ok(layers
+        .into_iter()
+        .map(|inner| PyEncodedLayer { inner })
+        .collect())
 }
 
 /// Decodes to a float32 `[tokens, head_dim]` array.
 #[pyfunction]
 pub fn decode_layer<'py>(py: Python<'py>, enc: &PyEncodedLayer) -> PyResult<Bound<'py, PyAny>> {
     let (n, d) = enc.inner.shape();
-    let out = py.detach(|| core::decode_layer(&enc.inner)).map_err(to_py)?;
+    let out = py
+        .detach(|| core::decode_layer(&enc.inner))
+        .map_err(to_py)?;
     Ok(PyArray1::from_vec(py, out).reshape([n, d])?.into_any())
 }
 
 /// Decodes equally shaped layers to one float32 `[streams, tokens, head_dim]` array.
 #[pyfunction]
-pub fn decode_batch<'py>(py: Python<'py>, encs: Vec<Bound<'py, PyEncodedLayer>>) -> PyResult<Bound<'py, PyAny>> {
+pub fn decode_batch<'py>(
+    py: Python<'py>,
+    encs: Vec<Bound<'py, PyEncodedLayer>>,
+) -> PyResult<Bound<'py, PyAny>> {
     let refs: Vec<&EncodedLayer> = encs.iter().map(|e| &e.get().inner).collect();
     let Some(first) = refs.first() else {
         return Err(PyValueError::new_err("encs: the list is empty"));
@@ -200,11 +224,17 @@ pub fn decode_batch<'py>(py: Python<'py>, encs: Vec<Bound<'py, PyEncodedLayer>>)
 
 /// Relative Frobenius error after each pipeline stage (pca, skeleton, quantised, full).
 #[pyfunction]
-pub fn stage_errors<'py>(py: Python<'py>, x: ArrayIn<'_, Ix2>, params: &PyCodecParams) -> PyResult<Bound<'py, PyDict>> {
+pub fn stage_errors<'py>(
+    py: Python<'py>,
+    x: ArrayIn<'_, Ix2>,
+    params: &PyCodecParams,
+) -> PyResult<Bound<'py, PyDict>> {
     let v = x.values("x", false)?;
     let (n, d) = (v.shape[0], v.shape[1]);
     let p = &params.inner;
-    let s = py.detach(|| core::stage_errors(&v.data, n, d, p)).map_err(to_py)?;
+    let s = py
+        .detach(|| core::stage_errors(&v.data, n, d, p))
+        .map_err(to_py)?;
     let out = PyDict::new(py);
     out.set_item("pca", s.pca)?;
     out.set_item("skeleton", s.skeleton)?;
@@ -216,16 +246,26 @@ pub fn stage_errors<'py>(py: Python<'py>, x: ArrayIn<'_, Ix2>, params: &PyCodecP
 /// The Gaussian Lloyd-Max levels for `bits` (1, 2, 3, 4, 8).
 #[pyfunction]
 pub fn gaussian_codebook(bits: u8) -> PyResult<Vec<f32>> {
-    Ok(kakeyaturbo::lloyd_max::gaussian(bits).map_err(to_py)?.levels().to_vec())
+    Ok(kakeyaturbo::lloyd_max::gaussian(bits)
+        .map_err(to_py)?
+        .levels()
+        .to_vec())
 }
 
 /// Lloyd-Max levels fitted to `samples` (for calibrated codebooks).
 #[pyfunction]
 #[pyo3(signature = (samples, bits, iters=100))]
-pub fn fit_codebook(py: Python<'_>, samples: ArrayIn<'_, Ix1>, bits: u8, iters: usize) -> PyResult<Vec<f32>> {
+pub fn fit_codebook(
+    py: Python<'_>,
+    samples: ArrayIn<'_, Ix1>,
+    bits: u8,
+    iters: usize,
+) -> PyResult<Vec<f32>> {
     let v = samples.values("samples", false)?;
     if !matches!(bits, 1 | 2 | 3 | 4 | 8) {
-        return Err(PyValueError::new_err(format!("bits must be 1, 2, 3, 4 or 8, got {bits}")));
+        return Err(PyValueError::new_err(format!(
+            "bits must be 1, 2, 3, 4 or 8, got {bits}"
+        )));
     }
     let cb = py
         .detach(|| kakeyaturbo::lloyd_max::Codebook::fit(&v.data, bits, iters))
@@ -238,7 +278,10 @@ pub fn fit_codebook(py: Python<'_>, samples: ArrayIn<'_, Ix1>, bits: u8, iters: 
 #[pyo3(signature = (x, seed, inverse=false))]
 pub fn wht_rotate(x: Vec<f32>, seed: u64, inverse: bool) -> PyResult<Vec<f32>> {
     if x.is_empty() || !x.len().is_power_of_two() {
-        return Err(PyValueError::new_err(format!("x: length must be a power of two, got {}", x.len())));
+        return Err(PyValueError::new_err(format!(
+            "x: length must be a power of two, got {}",
+            x.len()
+        )));
     }
     let rot = kakeyaturbo::wht::Rotation::new(x.len(), seed);
     let mut y = x;

@@ -24,9 +24,35 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
-    m.add("KakeyaTurboError", py.get_type::<errors::KakeyaTurboError>())?;
+    m.add(
+        "KakeyaTurboError",
+        py.get_type::<errors::KakeyaTurboError>(),
+    )?;
     m.add("FormatError", py.get_type::<errors::FormatError>())?;
     m.add("ChecksumError", py.get_type::<errors::ChecksumError>())?;
-    m.add("UnsupportedVersionError", py.get_type::<errors::UnsupportedVersionError>())?;
+    m.add(
+        "UnsupportedVersionError",
+        py.get_type::<errors::UnsupportedVersionError>(),
+    )?;
+    m.add(
+        "__all__",
+        [
+            "ChecksumError",
+            "CodecParams",
+            "EncodedLayer",
+            "FORMAT_VERSION",
+            "FormatError",
+            "KakeyaTurboError",
+            "UnsupportedVersionError",
+            "decode_batch",
+            "decode_layer",
+            "encode_batch",
+            "encode_layer",
+            "fit_codebook",
+            "gaussian_codebook",
+            "stage_errors",
+            "wht_rotate",
+        ],
+    )?;
     Ok(())
 }

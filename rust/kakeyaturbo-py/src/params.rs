@@ -97,8 +97,11 @@ impl PyCodecParams {
         seed: u64,
         centroids: Option<Vec<f32>>,
     ) -> PyResult<Self> {
-        let bit_width = u8::try_from(bit_width)
-            .map_err(|_| PyValueError::new_err(format!("bit_width must be 1, 2, 3, 4 or 8, got {bit_width}")))?;
+        let bit_width = u8::try_from(bit_width).map_err(|_| {
+            PyValueError::new_err(format!(
+                "bit_width must be 1, 2, 3, 4 or 8, got {bit_width}"
+            ))
+        })?;
         let inner = CodecParams {
             block_size: non_negative("block_size", block_size)?,
             bit_width,
@@ -219,7 +222,9 @@ impl PyCodecParams {
             for (k, v) in c.iter() {
                 let key: String = k.extract()?;
                 if !d.contains(&key)? {
-                    return Err(PyValueError::new_err(format!("CodecParams has no field {key:?}")));
+                    return Err(PyValueError::new_err(format!(
+                        "CodecParams has no field {key:?}"
+                    )));
                 }
                 d.set_item(key, v)?;
             }
@@ -227,10 +232,14 @@ impl PyCodecParams {
         slf.get_type().call((), Some(&d))
     }
 
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         // The constructor is keyword-only, so pickle goes through a helper taking a dict.
         let py = slf.py();
-        let helper = py.import("kakeyaturbo._core")?.getattr("_params_from_dict")?;
+        let helper = py
+            .import("kakeyaturbo._core")?
+            .getattr("_params_from_dict")?;
         let args = PyTuple::new(py, [slf.get().to_dict(py)?])?;
         Ok((helper, args))
     }
@@ -258,6 +267,9 @@ impl PyCodecParams {
 
 /// Rebuilds params from `to_dict()` output (used by pickle).
 #[pyfunction]
-pub fn _params_from_dict<'py>(py: Python<'py>, d: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyAny>> {
+pub fn _params_from_dict<'py>(
+    py: Python<'py>,
+    d: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyAny>> {
     py.get_type::<PyCodecParams>().call((), Some(d))
 }

@@ -43,7 +43,7 @@ pub fn unpack(bytes: &[u8], count: usize, bits: u32) -> Result<Vec<u16>> {
     if bytes.len() != packed_len(count, bits) {
         return Err(Error::Format("packed section has the wrong length".into()));
     }
-    let mask = ((1u32 << bits) - 1) as u32;
+    let mask = (1u32 << bits) - 1;
     let mut out = Vec::with_capacity(count);
     let mut acc: u32 = 0;
     let mut nacc: u32 = 0;
@@ -59,7 +59,9 @@ pub fn unpack(bytes: &[u8], count: usize, bits: u32) -> Result<Vec<u16>> {
         nacc -= bits;
     }
     if acc != 0 {
-        return Err(Error::Format("non-zero padding bits in packed section".into()));
+        return Err(Error::Format(
+            "non-zero padding bits in packed section".into(),
+        ));
     }
     Ok(out)
 }

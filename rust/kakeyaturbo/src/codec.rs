@@ -188,7 +188,9 @@ fn codebook(p: &CodecParams) -> Result<Codebook> {
 
 fn check_input(x: &[f32], n: usize, d: usize) -> Result<()> {
     if n == 0 || d == 0 {
-        return Err(Error::Shape(format!("empty input: {n} vectors of length {d}")));
+        return Err(Error::Shape(format!(
+            "empty input: {n} vectors of length {d}"
+        )));
     }
     if d > crate::params::MAX_HEAD_DIM {
         return Err(Error::Shape(format!(
@@ -218,7 +220,13 @@ fn check_input(x: &[f32], n: usize, d: usize) -> Result<()> {
 }
 
 /// Fits the (rounded) mean and basis of a set of vectors.
-fn fit_basis(x: &[f32], n: usize, d: usize, w: Option<&[f32]>, p: &CodecParams) -> Result<SharedBasis> {
+fn fit_basis(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    w: Option<&[f32]>,
+    p: &CodecParams,
+) -> Result<SharedBasis> {
     let max_rank = p.max_rank(d);
     let fit: PcaFit = match p.pca_method {
         PcaMethod::Exact => pca::fit_exact(x, n, d, w, p.variance_ratio, max_rank)?,
@@ -251,7 +259,10 @@ fn project(x: &[f32], n: usize, d: usize, sb: &SharedBasis) -> Vec<f32> {
     let mut coeffs = vec![0.0f32; n * sb.d_eff];
     let mut centred = vec![0.0f32; d];
     for i in 0..n {
-        for (c, (&v, &m)) in centred.iter_mut().zip(x[i * d..(i + 1) * d].iter().zip(&sb.mean)) {
+        for (c, (&v, &m)) in centred
+            .iter_mut()
+            .zip(x[i * d..(i + 1) * d].iter().zip(&sb.mean))
+        {
             *c = v - m;
         }
         for j in 0..sb.d_eff {
@@ -262,7 +273,15 @@ fn project(x: &[f32], n: usize, d: usize, sb: &SharedBasis) -> Vec<f32> {
 }
 
 /// `x_i = mean + B^T c_i`, written into `out` (n x d).
-fn unproject(coeffs: &[f32], n: usize, d: usize, mean: &[f32], basis: &[f32], d_eff: usize, out: &mut [f32]) {
+fn unproject(
+    coeffs: &[f32],
+    n: usize,
+    d: usize,
+    mean: &[f32],
+    basis: &[f32],
+    d_eff: usize,
+    out: &mut [f32],
+) {
     for i in 0..n {
         let row = &mut out[i * d..(i + 1) * d];
         row.copy_from_slice(mean);
@@ -298,7 +317,9 @@ fn apply_skeleton(
         let a = kmeans::assign(c, &sk.centres, d_eff);
         let mu = &sk.centres[a * d_eff..(a + 1) * d_eff];
         // Centres were rounded, so |mu| is 1 only approximately: project exactly.
-        let t = f16::from_f32((dot(c, mu) / dot(mu, mu).max(f32::MIN_POSITIVE)).clamp(-F16_LIMIT, F16_LIMIT));
+        let t = f16::from_f32(
+            (dot(c, mu) / dot(mu, mu).max(f32::MIN_POSITIVE)).clamp(-F16_LIMIT, F16_LIMIT),
+        );
         let tf = t.to_f32();
         for (v, &m) in c.iter_mut().zip(mu) {
             *v -= tf * m;
@@ -335,7 +356,15 @@ pub fn encode_block(
     let (sk, labels, t) = if p.k > 0 {
         apply_skeleton(&mut coeffs, n, d_eff, &w, p, block_seed)?
     } else {
-        (kmeans::Skeleton { centres: Vec::new(), k_used: 0, iters: 0 }, Vec::new(), Vec::new())
+        (
+            kmeans::Skeleton {
+                centres: Vec::new(),
+                k_used: 0,
+                iters: 0,
+            },
+            Vec::new(),
+            Vec::new(),
+        )
     };
     let wl = padded_len(d_eff);
     let rot = Rotation::new(wl, p.seed);
@@ -351,7 +380,7 @@ pub fn encode_block(
         rot.forward(&mut u);
         let norm2 = dot(&u, &u);
         let s0 = (norm2 / wl as f32).sqrt();
-        if !(s0 > 0.0) {
+        if s0 <= 0.0 || s0.is_nan() {
             let zero = cb.quantize(0.0);
             codes.extend(std::iter::repeat_n(zero, wl));
             scales.push(f16::ZERO);
@@ -412,7 +441,9 @@ pub fn decode_block(
     };
     let (n, d_eff) = (b.n, b.d_eff);
     if out.len() != n * d || mean.len() != d || basis.len() != d_eff * d {
-        return Err(Error::Format("block sections disagree with the layer shape".into()));
+        return Err(Error::Format(
+            "block sections disagree with the layer shape".into(),
+        ));
     }
     let wl = padded_len(d_eff);
     let rot = Rotation::new(wl, p.seed);
@@ -425,7 +456,9 @@ pub fn decode_block(
         for (vj, &q) in v.iter_mut().zip(&b.codes[i * wl..(i + 1) * wl]) {
             *vj = cb.level(q);
         }
-        while next_outlier < b.outliers.len() && (b.outliers[next_outlier].0 as usize) < (i + 1) * wl {
+        while next_outlier < b.outliers.len()
+            && (b.outliers[next_outlier].0 as usize) < (i + 1) * wl
+        {
             let (pos, val) = b.outliers[next_outlier];
             v[pos as usize - i * wl] = val.to_f32();
             next_outlier += 1;
@@ -506,7 +539,9 @@ pub fn decode_bytes(bytes: &[u8]) -> Result<(Vec<f32>, ParsedLayer)> {
     let bs = parsed.params.block_size;
     out.par_chunks_mut(bs * d)
         .zip(parsed.blocks.par_iter())
-        .try_for_each(|(chunk, b)| decode_block(b, d, &parsed.params, parsed.shared.as_ref(), chunk))?;
+        .try_for_each(|(chunk, b)| {
+            decode_block(b, d, &parsed.params, parsed.shared.as_ref(), chunk)
+        })?;
     Ok((out, parsed))
 }
 
@@ -537,7 +572,11 @@ fn rel_err(x: &[f32], y: &[f32]) -> f64 {
 pub fn stage_errors(x: &[f32], n: usize, d: usize, p: &CodecParams) -> Result<StageErrors> {
     p.validate()?;
     check_input(x, n, d)?;
-    let shared = if p.share_basis { Some(fit_basis(x, n, d, None, p)?) } else { None };
+    let shared = if p.share_basis {
+        Some(fit_basis(x, n, d, None, p)?)
+    } else {
+        None
+    };
     let mut pca_out = vec![0.0f32; n * d];
     let mut skel_out = vec![0.0f32; n * d];
     let bs = p.block_size;
@@ -553,7 +592,15 @@ pub fn stage_errors(x: &[f32], n: usize, d: usize, p: &CodecParams) -> Result<St
             }
         };
         let mut coeffs = project(xb, hi - lo, d, sb);
-        unproject(&coeffs, hi - lo, d, &sb.mean, &sb.basis, sb.d_eff, &mut pca_out[lo * d..hi * d]);
+        unproject(
+            &coeffs,
+            hi - lo,
+            d,
+            &sb.mean,
+            &sb.basis,
+            sb.d_eff,
+            &mut pca_out[lo * d..hi * d],
+        );
         let w = normalised_weights(hi - lo, None)?;
         let block_seed = p.seed ^ (bi as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let skel: Vec<f32> = if p.k > 0 {
@@ -563,9 +610,20 @@ pub fn stage_errors(x: &[f32], n: usize, d: usize, p: &CodecParams) -> Result<St
         } else {
             vec![0.0; coeffs.len()]
         };
-        unproject(&skel, hi - lo, d, &sb.mean, &sb.basis, sb.d_eff, &mut skel_out[lo * d..hi * d]);
+        unproject(
+            &skel,
+            hi - lo,
+            d,
+            &sb.mean,
+            &sb.basis,
+            sb.d_eff,
+            &mut skel_out[lo * d..hi * d],
+        );
     }
-    let no_outliers = CodecParams { outlier_threshold: f32::INFINITY, ..p.clone() };
+    let no_outliers = CodecParams {
+        outlier_threshold: f32::INFINITY,
+        ..p.clone()
+    };
     let q = decode_layer(&encode_layer(x, n, d, None, &no_outliers, InputDtype::F32)?)?;
     let full = decode_layer(&encode_layer(x, n, d, None, p, InputDtype::F32)?)?;
     Ok(StageErrors {

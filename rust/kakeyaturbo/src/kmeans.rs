@@ -56,13 +56,25 @@ pub fn assign(c: &[f32], centres: &[f32], d: usize) -> usize {
 }
 
 /// Fits up to `k` centres to `n` coefficient rows of length `d` with weights `w`.
-pub fn fit(coeffs: &[f32], n: usize, d: usize, k: usize, max_iters: usize, w: &[f64], seed: u64) -> Skeleton {
+pub fn fit(
+    coeffs: &[f32],
+    n: usize,
+    d: usize,
+    k: usize,
+    max_iters: usize,
+    w: &[f64],
+    seed: u64,
+) -> Skeleton {
     let dirs: Vec<usize> = (0..n)
         .filter(|&i| dot(&coeffs[i * d..(i + 1) * d], &coeffs[i * d..(i + 1) * d]) > 0.0)
         .collect();
     let k = k.min(dirs.len());
     if k == 0 {
-        return Skeleton { centres: Vec::new(), k_used: 0, iters: 0 };
+        return Skeleton {
+            centres: Vec::new(),
+            k_used: 0,
+            iters: 0,
+        };
     }
     let unit: Vec<Vec<f32>> = dirs
         .iter()
@@ -87,8 +99,14 @@ pub fn fit(coeffs: &[f32], n: usize, d: usize, k: usize, max_iters: usize, w: &[
         .map(|u| 1.0 - (dot(u, &centres[..d]) as f64).powi(2))
         .collect();
     while centres.len() < k * d {
-        let score: Vec<f64> = dist.iter().zip(&energy).map(|(a, e)| a.max(0.0) * e).collect();
-        let Some(next) = pick(&score, &mut g) else { break };
+        let score: Vec<f64> = dist
+            .iter()
+            .zip(&energy)
+            .map(|(a, e)| a.max(0.0) * e)
+            .collect();
+        let Some(next) = pick(&score, &mut g) else {
+            break;
+        };
         let start = centres.len();
         centres.extend_from_slice(&unit[next]);
         for (dv, u) in dist.iter_mut().zip(&unit) {
@@ -129,13 +147,17 @@ pub fn fit(coeffs: &[f32], n: usize, d: usize, k: usize, max_iters: usize, w: &[
             }
         }
     }
-    Skeleton { centres, k_used, iters }
+    Skeleton {
+        centres,
+        k_used,
+        iters,
+    }
 }
 
 /// Index drawn with probability proportional to `weights` (None if all are zero).
 fn pick(weights: &[f64], g: &mut SplitMix64) -> Option<usize> {
     let total: f64 = weights.iter().sum();
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return None;
     }
     let mut r = g.next_f64() * total;

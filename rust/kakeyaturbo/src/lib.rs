@@ -32,8 +32,8 @@ pub mod rsvd;
 pub mod wht;
 
 pub use codec::{
-    decode_layer, encode_block, encode_layer, stage_errors, BlockStats, EncodedBlock,
-    EncodedLayer, SharedBasis, StageErrors,
+    decode_layer, encode_block, encode_layer, stage_errors, BlockStats, EncodedBlock, EncodedLayer,
+    SharedBasis, StageErrors,
 };
 pub use error::{Error, Result};
 pub use params::{CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};

@@ -248,7 +248,10 @@ mod tests {
                 .map(|&x| ((x - cb.level(cb.quantize(x))) as f64).powi(2))
                 .sum::<f64>()
                 / xs.len() as f64;
-            assert!((mse - want).abs() / want < 0.02, "{bits} bits: {mse} vs {want}");
+            assert!(
+                (mse - want).abs() / want < 0.02,
+                "{bits} bits: {mse} vs {want}"
+            );
         }
     }
 
@@ -268,9 +271,7 @@ mod tests {
             let v = i as f32 / 100.0;
             let q = cb.quantize(v);
             let best = (0..4u16)
-                .min_by(|&a, &b| {
-                    (cb.level(a) - v).abs().total_cmp(&(cb.level(b) - v).abs())
-                })
+                .min_by(|&a, &b| (cb.level(a) - v).abs().total_cmp(&(cb.level(b) - v).abs()))
                 .unwrap();
             assert!((cb.level(q) - v).abs() <= (cb.level(best) - v).abs() + 1e-6);
         }

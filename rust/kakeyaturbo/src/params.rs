@@ -223,18 +223,50 @@ mod tests {
     #[test]
     fn rejects_bad_fields() {
         let bad = [
-            CodecParams { bit_width: 5, ..Default::default() },
-            CodecParams { block_size: 0, ..Default::default() },
-            CodecParams { variance_ratio: 0.0, ..Default::default() },
-            CodecParams { variance_ratio: 1.5, ..Default::default() },
-            CodecParams { outlier_threshold: f32::NAN, ..Default::default() },
-            CodecParams { k: 1000, block_size: 64, ..Default::default() },
-            CodecParams { target_rank: 8, ..Default::default() },
-            CodecParams { centroids: Some(vec![0.0, 1.0]), ..Default::default() },
-            CodecParams { bit_width: 1, centroids: Some(vec![1.0, -1.0]), ..Default::default() },
+            CodecParams {
+                bit_width: 5,
+                ..Default::default()
+            },
+            CodecParams {
+                block_size: 0,
+                ..Default::default()
+            },
+            CodecParams {
+                variance_ratio: 0.0,
+                ..Default::default()
+            },
+            CodecParams {
+                variance_ratio: 1.5,
+                ..Default::default()
+            },
+            CodecParams {
+                outlier_threshold: f32::NAN,
+                ..Default::default()
+            },
+            CodecParams {
+                k: 1000,
+                block_size: 64,
+                ..Default::default()
+            },
+            CodecParams {
+                target_rank: 8,
+                ..Default::default()
+            },
+            CodecParams {
+                centroids: Some(vec![0.0, 1.0]),
+                ..Default::default()
+            },
+            CodecParams {
+                bit_width: 1,
+                centroids: Some(vec![1.0, -1.0]),
+                ..Default::default()
+            },
         ];
         for p in bad {
-            assert!(matches!(p.validate(), Err(Error::InvalidParams(_))), "{p:?}");
+            assert!(
+                matches!(p.validate(), Err(Error::InvalidParams(_))),
+                "{p:?}"
+            );
         }
     }
 }

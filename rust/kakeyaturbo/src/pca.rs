@@ -137,7 +137,9 @@ pub(crate) mod tests {
         let frame = DMatrix::from_fn(d, d, |_, _| g.normal()).qr().q();
         let mut x = vec![0.0f32; n * d];
         for i in 0..n {
-            let z: Vec<f64> = (0..d).map(|j| g.normal() * 4.0 / (1.0 + j as f64)).collect();
+            let z: Vec<f64> = (0..d)
+                .map(|j| g.normal() * 4.0 / (1.0 + j as f64))
+                .collect();
             for c in 0..d {
                 let mut v = 1.5;
                 for (j, zj) in z.iter().enumerate() {
@@ -157,7 +159,9 @@ pub(crate) mod tests {
         assert_eq!(fit.d_eff, d);
         for a in 0..d {
             for b in 0..d {
-                let dot: f32 = (0..d).map(|c| fit.basis[a * d + c] * fit.basis[b * d + c]).sum();
+                let dot: f32 = (0..d)
+                    .map(|c| fit.basis[a * d + c] * fit.basis[b * d + c])
+                    .sum();
                 let want = if a == b { 1.0 } else { 0.0 };
                 assert!((dot - want).abs() < 1e-4);
             }

@@ -33,7 +33,11 @@ pub fn fit_randomized(
     let w = normalised_weights(n, weights)?;
     let mu = weighted_mean(x, n, d, &w);
     let a = centred_weighted(x, n, d, &w, &mu);
-    let rank = if target_rank == 0 { d } else { target_rank.min(d) };
+    let rank = if target_rank == 0 {
+        d
+    } else {
+        target_rank.min(d)
+    };
     let l = (rank + oversample).min(d).min(n.max(1));
     let mut g = SplitMix64::new(seed, RSVD_STREAM);
     let omega = DMatrix::from_fn(d, l, |_, _| g.normal());

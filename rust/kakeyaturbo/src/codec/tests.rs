@@ -31,7 +31,10 @@ fn error_falls_with_bit_width() {
     let x = kv_like(n, d, 1);
     let mut last = f64::INFINITY;
     for bits in [1u8, 2, 3, 4, 8] {
-        let p = CodecParams { bit_width: bits, ..Default::default() };
+        let p = CodecParams {
+            bit_width: bits,
+            ..Default::default()
+        };
         let (y, enc) = roundtrip(&x, n, d, &p);
         let e = rel_err(&x, &y);
         assert!(e < last, "{bits} bits: {e} not below {last}");
@@ -47,7 +50,11 @@ fn four_bit_full_rank_error_matches_lloyd_max_theory() {
     // residual energy (below 0.1 of the total, since the mean carries energy too).
     let (n, d) = (512, 64);
     let x = kv_like(n, d, 2);
-    let p = CodecParams { bit_width: 4, k: 0, ..Default::default() };
+    let p = CodecParams {
+        bit_width: 4,
+        k: 0,
+        ..Default::default()
+    };
     let (y, _) = roundtrip(&x, n, d, &p);
     let e = rel_err(&x, &y);
     assert!(e < 0.1, "relative error {e}");
@@ -61,7 +68,15 @@ fn deterministic_for_fixed_seed_and_seed_matters() {
     let a = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     let b = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     assert_eq!(a.as_bytes(), b.as_bytes());
-    let c = encode_layer(&x, n, d, None, &CodecParams { seed: 9, ..p }, InputDtype::F32).unwrap();
+    let c = encode_layer(
+        &x,
+        n,
+        d,
+        None,
+        &CodecParams { seed: 9, ..p },
+        InputDtype::F32,
+    )
+    .unwrap();
     assert_ne!(a.as_bytes(), c.as_bytes());
 }
 
@@ -69,7 +84,11 @@ fn deterministic_for_fixed_seed_and_seed_matters() {
 fn from_bytes_reproduces_decode_and_stats() {
     let (n, d) = (1100, 16);
     let x = kv_like(n, d, 4);
-    let p = CodecParams { block_size: 256, share_basis: true, ..Default::default() };
+    let p = CodecParams {
+        block_size: 256,
+        share_basis: true,
+        ..Default::default()
+    };
     let (y, enc) = roundtrip(&x, n, d, &p);
     let again = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
     assert_eq!(again, enc);
@@ -83,23 +102,40 @@ fn shared_basis_is_smaller_than_per_block_bases() {
     let (n, d) = (2048, 64);
     let x = kv_like(n, d, 5);
     let per_block = encode_layer(&x, n, d, None, &CodecParams::default(), InputDtype::F32).unwrap();
-    let shared_p = CodecParams { share_basis: true, ..Default::default() };
+    let shared_p = CodecParams {
+        share_basis: true,
+        ..Default::default()
+    };
     let shared = encode_layer(&x, n, d, None, &shared_p, InputDtype::F32).unwrap();
     // Three fewer D x D fp16 bases and means, minus the shared section's d_eff field;
     // codes, labels and scales have the same sizes, outlier counts may differ.
-    let outliers = |e: &EncodedLayer| e.stats().iter().map(|s| s.n_outliers as isize).sum::<isize>();
+    let outliers = |e: &EncodedLayer| {
+        e.stats()
+            .iter()
+            .map(|s| s.n_outliers as isize)
+            .sum::<isize>()
+    };
     let diff = per_block.nbytes() as isize - shared.nbytes() as isize;
-    assert_eq!(diff, 3 * (64 * 64 + 64) * 2 - 4 + 6 * (outliers(&per_block) - outliers(&shared)));
+    assert_eq!(
+        diff,
+        3 * (64 * 64 + 64) * 2 - 4 + 6 * (outliers(&per_block) - outliers(&shared))
+    );
 }
 
 #[test]
 fn variance_ratio_and_rank_cap_bound_d_eff() {
     let (n, d) = (512, 64);
     let x = kv_like(n, d, 6);
-    let p = CodecParams { rank_cap: 20, ..Default::default() };
+    let p = CodecParams {
+        rank_cap: 20,
+        ..Default::default()
+    };
     let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     assert_eq!(enc.stats()[0].d_eff, 20);
-    let p = CodecParams { variance_ratio: 0.5, ..Default::default() };
+    let p = CodecParams {
+        variance_ratio: 0.5,
+        ..Default::default()
+    };
     let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     assert!(enc.stats()[0].d_eff < 40);
 }
@@ -108,8 +144,14 @@ fn variance_ratio_and_rank_cap_bound_d_eff() {
 fn randomized_pca_close_to_exact() {
     let (n, d) = (512, 64);
     let x = kv_like(n, d, 7);
-    let ex = CodecParams { bit_width: 4, ..Default::default() };
-    let rp = CodecParams { pca_method: PcaMethod::Randomized, ..ex.clone() };
+    let ex = CodecParams {
+        bit_width: 4,
+        ..Default::default()
+    };
+    let rp = CodecParams {
+        pca_method: PcaMethod::Randomized,
+        ..ex.clone()
+    };
     let (ye, _) = roundtrip(&x, n, d, &ex);
     let (yr, _) = roundtrip(&x, n, d, &rp);
     let (ee, er) = (rel_err(&x, &ye), rel_err(&x, &yr));
@@ -122,7 +164,12 @@ fn inner_product_metric_preserves_norms_better() {
     let (n, d) = (512, 64);
     let x = kv_like(n, d, 8);
     let bias = |metric| {
-        let p = CodecParams { bit_width: 2, k: 0, metric, ..Default::default() };
+        let p = CodecParams {
+            bit_width: 2,
+            k: 0,
+            metric,
+            ..Default::default()
+        };
         let (y, _) = roundtrip(&x, n, d, &p);
         let xy: f64 = x.iter().zip(&y).map(|(a, b)| (a * b) as f64).sum();
         let xx: f64 = x.iter().map(|a| (a * a) as f64).sum();
@@ -138,13 +185,24 @@ fn outliers_are_restored_exactly() {
     let (n, d) = (256, 16);
     let mut g = SplitMix64::new(9, 9);
     let x: Vec<f32> = (0..n * d).map(|_| g.normal() as f32).collect();
-    let with = CodecParams { outlier_threshold: 1.5, k: 0, bit_width: 2, ..Default::default() };
-    let without = CodecParams { outlier_threshold: f32::INFINITY, ..with.clone() };
+    let with = CodecParams {
+        outlier_threshold: 1.5,
+        k: 0,
+        bit_width: 2,
+        ..Default::default()
+    };
+    let without = CodecParams {
+        outlier_threshold: f32::INFINITY,
+        ..with.clone()
+    };
     let (yw, ew) = roundtrip(&x, n, d, &with);
     let (yo, eo) = roundtrip(&x, n, d, &without);
     let count = ew.stats()[0].n_outliers;
     assert!(count > n * d / 50, "{count} outliers");
-    assert_eq!(ew.nbytes() - eo.nbytes(), count * crate::outliers::OUTLIER_BYTES);
+    assert_eq!(
+        ew.nbytes() - eo.nbytes(),
+        count * crate::outliers::OUTLIER_BYTES
+    );
     assert!(rel_err(&x, &yw) < 0.9 * rel_err(&x, &yo));
 }
 
@@ -154,25 +212,49 @@ fn constant_and_tiny_inputs() {
     let (y, _) = roundtrip(&x, 10, 8, &CodecParams::default());
     assert!(rel_err(&x, &y) < 1e-3);
     let x = vec![0.25f32, -1.0, 3.0];
-    let (y, _) = roundtrip(&x, 1, 3, &CodecParams { k: 1, block_size: 1, ..Default::default() });
+    let (y, _) = roundtrip(
+        &x,
+        1,
+        3,
+        &CodecParams {
+            k: 1,
+            block_size: 1,
+            ..Default::default()
+        },
+    );
     assert!(rel_err(&x, &y) < 1e-2);
 }
 
 #[test]
 fn bad_input_is_rejected() {
     let p = CodecParams::default();
-    assert!(matches!(encode_layer(&[1.0, f32::NAN], 1, 2, None, &p, InputDtype::F32), Err(Error::NonFinite { index: 1 })));
-    assert!(matches!(encode_layer(&[1.0; 5], 2, 3, None, &p, InputDtype::F32), Err(Error::Shape(_))));
-    assert!(matches!(encode_layer(&[], 0, 3, None, &p, InputDtype::F32), Err(Error::Shape(_))));
+    assert!(matches!(
+        encode_layer(&[1.0, f32::NAN], 1, 2, None, &p, InputDtype::F32),
+        Err(Error::NonFinite { index: 1 })
+    ));
+    assert!(matches!(
+        encode_layer(&[1.0; 5], 2, 3, None, &p, InputDtype::F32),
+        Err(Error::Shape(_))
+    ));
+    assert!(matches!(
+        encode_layer(&[], 0, 3, None, &p, InputDtype::F32),
+        Err(Error::Shape(_))
+    ));
     let bad = CodecParams { bit_width: 7, ..p };
-    assert!(matches!(encode_layer(&[1.0; 4], 2, 2, None, &bad, InputDtype::F32), Err(Error::InvalidParams(_))));
+    assert!(matches!(
+        encode_layer(&[1.0; 4], 2, 2, None, &bad, InputDtype::F32),
+        Err(Error::InvalidParams(_))
+    ));
 }
 
 #[test]
 fn corrupt_bytes_never_panic() {
     let (n, d) = (300, 16);
     let x = kv_like(n, d, 10);
-    let p = CodecParams { block_size: 128, ..Default::default() };
+    let p = CodecParams {
+        block_size: 128,
+        ..Default::default()
+    };
     let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     let good = enc.as_bytes().to_vec();
     for cut in 0..good.len() {
@@ -191,7 +273,10 @@ fn corrupt_bytes_never_panic() {
 fn stage_errors_are_ordered() {
     let (n, d) = (512, 32);
     let x = kv_like(n, d, 11);
-    let p = CodecParams { variance_ratio: 0.95, ..Default::default() };
+    let p = CodecParams {
+        variance_ratio: 0.95,
+        ..Default::default()
+    };
     let s = stage_errors(&x, n, d, &p).unwrap();
     assert!(s.pca > 0.0 && s.pca <= s.quantised + 1e-9);
     assert!(s.skeleton >= s.pca);

@@ -4,8 +4,8 @@
 use half::{bf16, f16};
 
 use super::{
-    BLOCK_HEADER_LEN, CRC_LEN, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS,
-    MAGIC, MAX_TOKENS,
+    BLOCK_HEADER_LEN, CRC_LEN, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS, MAGIC,
+    MAX_TOKENS,
 };
 use crate::bitpack::{packed_len, unpack};
 use crate::codec::{label_bits, EncodedBlock, SharedBasis};
@@ -278,7 +278,9 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         let kmeans_iters = c.u32()?;
         match &shared {
             Some(sb) if d_eff != sb.d_eff => {
-                return bad(format!("block {bi}: d_eff {d_eff} differs from shared basis"))
+                return bad(format!(
+                    "block {bi}: d_eff {d_eff} differs from shared basis"
+                ))
             }
             _ if d_eff == 0 || d_eff > max_rank => {
                 return bad(format!("block {bi}: d_eff {d_eff} outside 1..={max_rank}"))
@@ -286,10 +288,14 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
             _ => {}
         }
         if k_used > params.k.min(n) {
-            return bad(format!("block {bi}: {k_used} centres exceed k or the block size"));
+            return bad(format!(
+                "block {bi}: {k_used} centres exceed k or the block size"
+            ));
         }
         if kmeans_iters > params.kmeans_iters {
-            return bad(format!("block {bi}: k-means iteration count exceeds the limit"));
+            return bad(format!(
+                "block {bi}: k-means iteration count exceeds the limit"
+            ));
         }
         let w = padded_len(d_eff);
         let n_codes = n * w;
@@ -318,7 +324,11 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         } else {
             Vec::new()
         };
-        let t = if k_used > 0 { c.f16s(n, "t")? } else { Vec::new() };
+        let t = if k_used > 0 {
+            c.f16s(n, "t")?
+        } else {
+            Vec::new()
+        };
         let scales = c.f16s(n, "scales")?;
         let raw = c.take(packed_len(n_codes, bit_width as u32))?;
         let codes = unpack(raw, n_codes, bit_width as u32)?;
@@ -350,7 +360,10 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         });
     }
     if c.pos != body.len() {
-        return bad(format!("{} trailing bytes after the last block", body.len() - c.pos));
+        return bad(format!(
+            "{} trailing bytes after the last block",
+            body.len() - c.pos
+        ));
     }
     Ok(ParsedLayer {
         params,

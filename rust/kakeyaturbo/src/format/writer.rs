@@ -53,10 +53,15 @@ pub fn write_layer(
     shared: Option<&SharedBasis>,
     blocks: &[EncodedBlock],
 ) -> Vec<u8> {
-    let mut out = Vec::with_capacity(super::HEADER_LEN + blocks.iter().map(|b| b.n * 8).sum::<usize>());
+    let mut out =
+        Vec::with_capacity(super::HEADER_LEN + blocks.iter().map(|b| b.n * 8).sum::<usize>());
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    let flags: u16 = if shared.is_some() { FLAG_SHARED_BASIS } else { 0 };
+    let flags: u16 = if shared.is_some() {
+        FLAG_SHARED_BASIS
+    } else {
+        0
+    };
     out.extend_from_slice(&flags.to_le_bytes());
     put_u32(&mut out, n_tokens);
     put_u32(&mut out, head_dim);

@@ -1,0 +1,109 @@
+"""Capture real keys and values from a Hugging Face causal LM, pre- and post-RoPE.
+
+Post-RoPE keys and the values are read from the model's own ``DynamicCache`` after a
+forward pass; pre-RoPE keys from a forward hook on each attention module's ``k_proj``
+(before rotary embedding, which is where query-aware whitening applies).
+Tensors are saved per layer as ``[kv_heads, tokens, head_dim]`` float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+def load_model(model_dir: str | Path):
+    """Loads a local Hugging Face model folder (float32, eval mode) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model_dir: {path} holds no config.json (a local HF model folder)")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+def read_tokens(tok, text_file: str | Path, n_tokens: int, offset_chars: int = 0) -> list[int]:
+    """The first ``n_tokens`` token ids of ``text_file`` (from ``offset_chars`` on)."""
+    text = Path(text_file).read_text(encoding="utf-8")[offset_chars:]
+    # Tokenise a generous prefix only: the whole WikiText file takes seconds to encode.
+    ids = tok(text[: n_tokens * 12], add_special_tokens=False)["input_ids"]
+    if len(ids) < n_tokens:
+        raise ValueError(f"text_file: only {len(ids)} tokens available, {n_tokens} requested")
+    return ids[:n_tokens]
+
+
+def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
+    """Runs one forward pass; returns ``{"layer{i}.k", "layer{i}.k_pre_rope", "layer{i}.v"}``."""
+    import torch
+    from transformers import DynamicCache
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    pre: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        proj = getattr(layer.self_attn, "k_proj", None)
+        if proj is None:
+            continue
+
+        def hook(_mod, _inp, out, i=i):
+            b, t, _ = out.shape
+            pre[i] = out.detach().view(b, t, n_kv, head_dim).transpose(1, 2)[0]
+
+        hooks.append(proj.register_forward_hook(hook))
+    cache = DynamicCache(config=cfg)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([input_ids]), past_key_values=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    out: dict[str, np.ndarray] = {}
+    for i, layer in enumerate(cache.layers):
+        out[f"layer{i}.k"] = layer.keys[0].float().numpy().copy()
+        out[f"layer{i}.v"] = layer.values[0].float().numpy().copy()
+        if i in pre:
+            out[f"layer{i}.k_pre_rope"] = pre[i].float().numpy().copy()
+    return out
+
+
+def save_tensors(tensors: dict[str, np.ndarray], out: str | Path) -> Path:
+    """Writes ``.safetensors`` (or one ``.npy`` per tensor into a folder for other suffixes)."""
+    out = Path(out)
+    if out.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out))
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for k, v in tensors.items():
+        np.save(out / f"{k}.npy", v)
+    return out
+
+
+def load_tensor(path: str | Path, name: Optional[str] = None) -> np.ndarray:
+    """Reads one tensor from ``.npy`` or ``.safetensors`` (``name`` picks one of several)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        return np.load(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: expected a .npy or .safetensors file")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(path))
+    if name is None:
+        if len(tensors) != 1:
+            raise ValueError(f"{path} holds {len(tensors)} tensors; pick one with --tensor "
+                             f"(one of: {', '.join(sorted(tensors)[:8])}...)")
+        name = next(iter(tensors))
+    if name not in tensors:
+        raise KeyError(f"{path} has no tensor {name!r}")
+    return tensors[name]

@@ -1,0 +1,27 @@
+"""``kakeyaturbo capture``: save real K/V (pre- and post-RoPE) of a local HF model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("capture", help="capture K/V from a local model folder to .safetensors")
+    p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
+    p.add_argument("--text", required=True, type=Path, help="UTF-8 text file to run through the model")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens in the forward pass")
+    p.add_argument("--offset-chars", type=int, default=0, help="start this many characters in")
+    p.add_argument("--out", required=True, type=Path, help=".safetensors file (or folder of .npy)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .capture import capture_kv, load_model, read_tokens, save_tensors
+
+    model, tok = load_model(args.model)
+    ids = read_tokens(tok, args.text, args.tokens, args.offset_chars)
+    tensors = capture_kv(model, ids)
+    path = save_tensors(tensors, args.out)
+    print(f"wrote {len(tensors)} tensors ({', '.join(sorted(tensors)[:3])}, ...) to {path}")
+    return 0

@@ -1,0 +1,209 @@
+"""`kakeyaturbo report`: regenerate `reports/README.md` from the JSON results beside it.
+
+Nothing here computes a number: every figure is read from a JSON file written by an `eval`
+command, and the command that wrote it is printed above its table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["render", "write_report"]
+
+
+def _pct(x: float | None, digits: int = 2, sign: bool = True) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:+.{digits}f}%" if sign else f"{100 * x:.{digits}f}%"
+
+
+def _ci(ci: list[float | None] | None, digits: int = 2) -> str:
+    if not ci or ci[0] is None:
+        return ""
+    return f" [{100 * ci[0]:+.{digits}f}, {100 * ci[1]:+.{digits}f}]"
+
+
+def _sci(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def _bytes(x: float | None) -> str:
+    return "-" if x is None else f"{round(x):,}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _cmd(obj: dict[str, Any]) -> str:
+    return f"```\n{obj.get('command', '(command not recorded)')}\n```\n"
+
+
+def _env(obj: dict[str, Any]) -> str:
+    e = obj.get("environment") or {}
+    return (f"_{e.get('created', '?')}; kakeyaturbo {e.get('kakeyaturbo')}, torch {e.get('torch')}, transformers "
+            f"{e.get('transformers')}, {e.get('threads')} threads; {obj.get('seconds', '?')} s._\n")
+
+
+def _quality_table(rows: list[dict[str, Any]], first: str = "method", extra=None) -> list[str]:
+    head = f"| {first} | ratio | stored bytes | delta-ppl [95% CI] | KL | top-1 | verdict |"
+    out = [head, "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        name = extra(r) if extra else f"`{r['method']}`"
+        if r.get("skipped") or r.get("error"):
+            out.append(f"| {name} | - | - | {'skipped' if r.get('skipped') else 'error'}: "
+                       f"{r.get('skipped') or r.get('error')} | | | |")
+            continue
+        out.append(
+            f"| {name} | {_ratio(r.get('ratio'))} | {_bytes(r.get('stored_bytes'))} | "
+            f"{_pct(r.get('delta_ppl'))}{_ci(r.get('delta_ppl_ci'))} | {_sci(r.get('kl'))} | "
+            f"{_pct(r.get('top1'), 1, sign=False)} | {r.get('verdict')} |"
+        )
+    return out
+
+
+def _setup(obj: dict[str, Any]) -> str:
+    return (f"Model `{obj.get('model')}` ({obj.get('layers')} layers, {obj.get('kv_heads')} KV heads, head_dim "
+            f"{obj.get('head_dim')}), text `{obj.get('text')}`: {obj.get('passages')} passages of ctx "
+            f"{obj.get('ctx')} + {obj.get('n_eval')} scored tokens, mode `{obj.get('mode')}`. "
+            f"Reference perplexity {obj.get('ppl_ref') or 0:.2f}.\n")
+
+
+def _sweep(obj: dict[str, Any], name: str) -> list[str]:
+    out = [f"## Pareto table: compression ratio vs quality (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
+    out.append("| method | bits | ratio | stored bytes/prefix | delta-ppl [95% CI] | KL | top-1 | verdict | "
+               "front (dppl) | front (KL) |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---|:---:|:---:|")
+    notes = []
+    for e in obj["table"]:
+        if e.get("note"):
+            notes.append(f"- `{e['method']}`: {e['note']}")
+            continue
+        bits = "-" if e.get("bits") is None else f"{e['bits']:g}"
+        out.append(
+            f"| `{e['method']}` | {bits} | {_ratio(e['ratio'])} | {_bytes(e['stored_bytes'])} | "
+            f"{_pct(e['delta_ppl'])}{_ci(e.get('delta_ppl_ci'))} | {_sci(e['kl'])} | "
+            f"{_pct(e['top1'], 1, sign=False)} | {e['verdict']} | {'**yes**' if e['pareto'] else ''} | "
+            f"{'**yes**' if e['pareto_kl'] else ''} |"
+        )
+    if obj.get("plot"):
+        out += ["", f"![Pareto plot]({Path(obj['plot']).name})"]
+    if notes:
+        out += ["", "Not run:", *notes]
+    return out + [""]
+
+
+def _layers(obj: dict[str, Any], name: str) -> list[str]:
+    out = [f"## Diagnostics for `{obj['method']}` (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
+
+    def opt(r, key):
+        o = r.get("options") or {}
+        return o.get(key)
+
+    out += ["Per-layer sensitivity (codec on one layer, the rest bf16; snapshot):", ""]
+    out += _quality_table(obj["per_layer"], "layer", lambda r: str((opt(r, "layers") or ["?"])[0]))
+    out += ["", "Depth compounding (codec on the first k layers; in-forward):", ""]
+    out += _quality_table(obj["depth"], "first k layers", lambda r: str(len(opt(r, "layers") or [])))
+    out += ["", "K-only / V-only attribution:", ""]
+    out += _quality_table(obj["streams"], "mode / streams", lambda r: f"{r.get('mode')} / {opt(r, 'streams')}")
+    return out + [""]
+
+
+def _bytes_section(obj: dict[str, Any], name: str) -> list[str]:
+    out = [f"## Bytes per layer and long-context projection (`{name}`)", "", _cmd(obj), _env(obj), ""]
+    out.append(f"Layer types: {', '.join(sorted(set(obj['layer_types'])))}; unit costs fitted on prefixes of at most "
+               f"{obj['fit_max']} tokens, checked against longer measured prefixes.")
+    out.append("")
+    ctxs = [str(c) for c in obj["contexts"]]
+    head = "| method | " + " | ".join(f"ratio @{c}" for c in ctxs) + " | " + " | ".join(
+        f"ratio @{t // 1024}k (proj.)" for t in obj["targets"]) + " | projection error |"
+    out += [head, "|---|" + "---:|" * (len(ctxs) + len(obj["targets"]) + 1)]
+    for m in obj["methods"]:
+        if m.get("skipped") or m.get("error"):
+            out.append(f"| `{m['method']}` | {m.get('skipped') or m.get('error')} |")
+            continue
+        errs = ", ".join(f"{v['rel_error']:+.4%} @{v['tokens']}" for v in m["validation"]) or "-"
+        out.append(f"| `{m['method']}` | " + " | ".join(_ratio(m["totals"][c]["ratio"]) for c in ctxs) + " | "
+                   + " | ".join(_ratio(p["ratio"]) for p in m["projection"]) + f" | {errs} |")
+    out += ["", "Stored bytes per layer (K + V) at the longest measured context:", ""]
+    last = ctxs[-1]
+    ok = [m for m in obj["methods"] if not (m.get("skipped") or m.get("error"))]
+    if ok:
+        out.append("| layer | type | " + " | ".join(f"`{m['method']}`" for m in ok) + " | bf16 |")
+        out.append("|---:|---|" + "---:|" * (len(ok) + 1))
+        for i in range(obj["layers"]):
+            rows = [m["per_layer"][last][i] for m in ok]
+            out.append(f"| {i} | {rows[0]['type']} | " + " | ".join(_bytes(r["k"] + r["v"]) for r in rows)
+                       + f" | {_bytes(rows[0]['bf16'])} |")
+    return out + [""]
+
+
+def _ppl(obj: dict[str, Any], name: str) -> list[str]:
+    out = [f"## `eval ppl` results (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
+    return out + _quality_table(obj["methods"]) + [""]
+
+
+HEADER = """# kakeyaturbo evaluation reports
+
+Generated by `kakeyaturbo report` from the JSON files in this folder: every number below was
+written by the command printed above it (run from the repository root). To regenerate
+everything, results, plot and this page, in one go:
+
+```
+{all_command}
+```
+
+Protocol (`kakeyaturbo eval ppl`): each passage prefills `ctx` tokens, the method compresses
+that prefix cache (snapshot mode: all layers' K/V from the exact prefill; in-forward mode: each
+layer attends over reconstructed K/V, so errors compound with depth), then `n_eval` tokens are
+teacher-forced on top and compared with the uncompressed run. delta-ppl = ppl_method /
+ppl_ref - 1; KL(ref || method) in nats per token; top-1 = share of positions whose argmax
+agrees. 95% intervals are paired Student-t intervals over passages. Verdict: ACCEPT when
+|delta-ppl| <= 1% and top-1 >= 95%, MARGINAL when <= 3% and >= 90%, REJECT otherwise.
+Bytes are what one passage's prefix stores (codes, scales, norms, codec headers and skeletons,
+full-precision sinks, windows and skipped layers), and ratio = bf16 bytes / stored bytes.
+Peers are reimplementations (see `python/kakeyaturbo/eval/baselines.py`), except `hf-*`,
+transformers' own `QuantizedCache` run as it ships; all are counted by the same rule: codes
+bit-packed, scales/zero-points/norms fp16 (fp8 scales fp32), seeded rotations and fixed
+codebooks free. For `hf-*`, `allocated_bytes` in the JSON is what the backend's tensors
+actually occupy in memory.
+
+kt-ref-a is a weak model (flat predictions): a KV error moves perplexity little (in either
+direction) and flips top-1 sooner, so read KL and top-1 alongside delta-ppl.
+"""
+
+
+def render(results: Path, all_command: str | None = None) -> str:
+    files = sorted(p for p in Path(results).glob("*.json"))
+    objs = []
+    for p in files:
+        try:
+            objs.append((p.name, json.loads(p.read_text())))
+        except (OSError, json.JSONDecodeError):
+            continue
+    all_cmd = all_command
+    for _, o in objs:
+        all_cmd = all_cmd or o.get("all_command")
+    lines = [HEADER.format(all_command=all_cmd or "(run the commands below)")]
+    order = {"sweep": 0, "layers": 1, "bytes": 2, "ppl": 3}
+    for name, o in sorted(objs, key=lambda t: (order.get(t[1].get("kind"), 9), t[0])):
+        kind = o.get("kind")
+        if kind == "sweep":
+            lines += _sweep(o, name)
+        elif kind == "layers":
+            lines += _layers(o, name)
+        elif kind == "bytes":
+            lines += _bytes_section(o, name)
+        elif kind == "ppl":
+            lines += _ppl(o, name)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(results: str | Path, out: str | Path | None = None, all_command: str | None = None) -> Path:
+    results = Path(results)
+    out = Path(out) if out else results / "README.md"
+    out.write_text(render(results, all_command))
+    return out

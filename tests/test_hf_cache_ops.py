@@ -1,0 +1,251 @@
+"""Cache operations on the real reference model: crop (and assisted decoding that relies on it),
+batch select/repeat, beam reorder, reset; the key-transform hook; pre-RoPE mode and its exact
+inverse RoPE; clear errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+kt = pytest.importorskip("kakeyaturbo")
+pytest.importorskip("kakeyaturbo.hf")
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+from kakeyaturbo.hf import KakeyaCache, rotary_spec_from_config  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+MODEL_DIR = SHARED / "models" / "kt-ref-a"
+TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
+
+pytestmark = pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present")
+
+# 8-bit over 64-token blocks: close to lossless, so structural bugs (wrong rows, wrong order,
+# missing inverse) stand out against codec error.
+P8 = dict(block_size=64, bit_width=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    text = TEXT.read_text(encoding="utf-8")[5000:40000]
+    return tok(text, return_tensors="pt").input_ids[:, :400]
+
+
+def kakeya(model, **kw):
+    p = kt.CodecParams(**P8)
+    kw.setdefault("residual_length", 32)
+    return KakeyaCache.from_model(model, k_params=p, v_params=p, **kw)
+
+
+@torch.inference_mode()
+def step(model, cache, tokens):
+    return model(tokens, past_key_values=cache, use_cache=True).logits[:, -1].float()
+
+
+# ---- crop ---------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_crop_within_hot_window_is_exact(model, ids):
+    a, b = kakeya(model), kakeya(model)
+    step(model, a, ids[:, :300])
+    a.crop(-10)
+    assert a.get_seq_length() == 290
+    step(model, b, ids[:, :290])
+    torch.testing.assert_close(step(model, a, ids[:, 290:300]), step(model, b, ids[:, 290:300]), rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_crop_into_compressed_blocks(model, ids):
+    cache, dyn = kakeya(model), DynamicCache(config=model.config)
+    for c in (cache, dyn):
+        step(model, c, ids[:, :300])
+        c.crop(-100)
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 200
+    assert layer.compressed_length + layer._hot_k.shape[-2] == 200
+    assert layer.compressed_length == 192  # 3 whole blocks kept, block 4's head is back in the hot window
+    torch.testing.assert_close(step(model, cache, ids[:, 200:210]), step(model, dyn, ids[:, 200:210]), atol=0.1, rtol=0.05)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(5)
+
+
+@torch.inference_mode()
+def test_assisted_decoding_uses_crop(model, ids):
+    prompt = ids[:, :200]
+    cache = kakeya(model)
+    out = model.generate(prompt, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4, past_key_values=cache)
+    ref = model.generate(prompt, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
+    assert out.shape == ref.shape
+    assert (out == ref).float().mean().item() >= 0.95
+
+
+# ---- batch operations ---------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def test_batch_repeat_select_and_reorder(model, ids):
+    rows = torch.stack([ids[0, :250], ids[0, 100:350]])
+    cache = kakeya(model)
+    step(model, cache, rows)
+    before = cache.memory_report()
+    cache.batch_repeat_interleave(2)  # rows: 0 0 1 1
+    after = cache.memory_report()
+    # Repeated rows share their compressed streams: no new compressed bytes.
+    assert after["compressed_bytes"] == before["compressed_bytes"]
+    assert after["full_precision_bytes"] == 2 * before["full_precision_bytes"]
+    nxt = torch.stack([ids[0, 250:251], ids[0, 250:251], ids[0, 350:351], ids[0, 350:351]])
+    out = step(model, cache, nxt)
+    torch.testing.assert_close(out[0], out[1])
+    torch.testing.assert_close(out[2], out[3])
+    assert not torch.allclose(out[0], out[2])
+
+    cache.reorder_cache(torch.tensor([3, 2, 1, 0]))  # rows now: 1 1 0 0
+    out2 = step(model, cache, nxt.flip(0))
+    single = kakeya(model)
+    step(model, single, rows[1:2])
+    step(model, single, nxt[2:3])
+    ref = step(model, single, nxt[2:3])
+    torch.testing.assert_close(out2[0:1], ref, atol=1e-4, rtol=1e-4)
+
+    cache.batch_select_indices(torch.tensor([2]))  # keep one row-0 copy
+    assert cache.layers[0]._rows == 1
+    assert step(model, cache, ids[:, 251:252]).shape == (1, model.config.vocab_size)
+
+
+@torch.inference_mode()
+def test_reset_empties_the_cache(model, ids):
+    cache = kakeya(model)
+    step(model, cache, ids[:, :200])
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert cache.memory_report()["total_bytes"] == 0
+    fresh = kakeya(model)
+    torch.testing.assert_close(step(model, cache, ids[:, :150]), step(model, fresh, ids[:, :150]))
+
+
+# ---- key transform and pre-RoPE -------------------------------------------------------------------
+
+
+class Recorder:
+    """Identity transform that records what the encoder is given."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def forward(self, keys, layer_idx):
+        self.seen.setdefault(layer_idx, []).append(keys.clone())
+        return keys
+
+    def inverse(self, keys, layer_idx):
+        return keys
+
+
+class Rotate:
+    """A random orthogonal map per layer, scaled by 100: its inverse must be applied."""
+
+    def __init__(self, dim, layers):
+        g = torch.Generator().manual_seed(0)
+        self.q = [torch.linalg.qr(torch.randn(dim, dim, generator=g))[0] for _ in range(layers)]
+
+    def forward(self, keys, layer_idx):
+        return 100.0 * keys @ self.q[layer_idx]
+
+    def inverse(self, keys, layer_idx):
+        return keys @ self.q[layer_idx].T / 100.0
+
+
+@torch.inference_mode()
+def test_key_transform_is_inverted(model, ids):
+    dyn, plain, rotated = DynamicCache(config=model.config), kakeya(model), kakeya(model, key_transform=Rotate(64, 6))
+    outs = [step(model, c, ids[:, :300]) for c in (dyn, plain, rotated)]
+    assert rotated.memory_report()["compressed_tokens"] > 0
+    torch.testing.assert_close(outs[2], outs[0], atol=0.1, rtol=0.05)
+
+    class Broken:
+        def forward(self, keys, layer_idx):
+            return keys[..., :32]
+
+        def inverse(self, keys, layer_idx):
+            return keys
+
+    with pytest.raises(ValueError, match="key_transform.forward"):
+        step(model, kakeya(model, key_transform=Broken()), ids[:, :300])
+    with pytest.raises(TypeError, match="inverse"):
+        kakeya(model, key_transform=object())
+
+
+@torch.inference_mode()
+def test_pre_rope_encodes_the_unrotated_keys_of_padded_rows(model, ids):
+    """In pre-RoPE mode the codec must see k_proj's output (before RoPE), at the positions
+    generate gave each left-padded row."""
+    captured = []
+    handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.append(o))
+    rec = Recorder()
+    try:
+        tokens = torch.full((2, 200), 1)
+        mask = torch.ones((2, 200), dtype=torch.long)
+        tokens[0] = ids[0, :200]
+        tokens[1, 40:], mask[1, :40] = ids[0, 200:360], 0
+        cache = kakeya(model, pre_rope=True, key_transform=rec, sink_tokens=0)
+        model.generate(tokens, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=1)
+    finally:
+        handle.remove()
+    pre = captured[0].view(2, 200, 2, 64).transpose(1, 2)  # [B, H, T, D] before RoPE
+    encoded = rec.seen[0][0]
+    t = encoded.shape[-2]
+    assert t == 128  # (200 - 32) // 64 whole blocks
+    # Pad slots (row 1, first 40) carry arbitrary positions; every real token must match.
+    torch.testing.assert_close(encoded[0], pre[0, :, :t], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(encoded[1, :, 40:], pre[1, :, 40:t], atol=2e-5, rtol=1e-5)
+
+
+def test_inverse_rope_matches_the_model(model):
+    spec = rotary_spec_from_config(model.config)
+    x = torch.randn(2, 2, 50, 64)
+    pos = torch.stack([torch.arange(50), torch.arange(1000, 1050)])
+    cos, sin = model.model.rotary_emb(x, pos)
+    rotated, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(spec.rotate(x, pos), rotated, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(spec.unrotate(rotated, pos), x, atol=1e-5, rtol=1e-5)
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_parameters_raise_clearly(model):
+    cfg = model.config
+    with pytest.raises(ValueError, match="residual_length"):
+        KakeyaCache(cfg, residual_length=-1)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        KakeyaCache(cfg, sink_tokens="4")
+    with pytest.raises(ValueError, match="out of range"):
+        KakeyaCache(cfg, skip_layers=[6])
+    with pytest.raises(TypeError, match="skip_layers"):
+        KakeyaCache(cfg, skip_layers=3)
+    with pytest.raises(TypeError, match="k_params"):
+        KakeyaCache(cfg, k_params={"bit_width": 3})
+    with pytest.raises(ValueError, match="block_size"):
+        KakeyaCache(cfg, k_params=kt.CodecParams(block_size=128), v_params=kt.CodecParams(block_size=256))
+    with pytest.raises(ValueError, match="decoded_cache_bytes"):
+        KakeyaCache(cfg, decoded_cache_bytes=-1)
+    with pytest.raises(TypeError, match="PretrainedConfig"):
+        KakeyaCache({"num_hidden_layers": 6})
+    with pytest.raises(TypeError, match="transformers model"):
+        KakeyaCache.from_model(cfg)
+
+
+@torch.inference_mode()
+def test_batch_change_without_select_is_refused(model, ids):
+    cache = kakeya(model)
+    step(model, cache, ids[:, :50])
+    with pytest.raises(ValueError, match="batch_select_indices"):
+        step(model, cache, torch.cat([ids[:, 50:51]] * 2))
