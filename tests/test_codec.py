@@ -148,4 +148,4 @@ def test_codebooks():
     fitted = kt.fit_codebook(rng.uniform(-1, 1, 50_000).astype(np.float32), 2)
     np.testing.assert_allclose(fitted, [-0.75, -0.25, 0.25, 0.75], atol=0.02)
     with pytest.raises(ValueError):
-        kt.gaussian_codebook(5)
+        kt.gaussian_codebook(9)

@@ -29,6 +29,16 @@ N_LAYERS = 4
 WINDOW = 24
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core box
+    # that makes these small forwards ~10x slower. One torch thread keeps the file fast.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def config(name: str):
     if name == "llama":
         return tf.LlamaConfig(num_hidden_layers=N_LAYERS, **TINY)
@@ -37,15 +47,24 @@ def config(name: str):
     if name == "mistral_sliding":
         return tf.MistralConfig(num_hidden_layers=N_LAYERS, sliding_window=WINDOW, **TINY)
     if name == "qwen2":
-        return tf.Qwen2Config(num_hidden_layers=N_LAYERS, use_sliding_window=True, sliding_window=WINDOW,
-                              max_window_layers=2, **TINY)
+        return tf.Qwen2Config(
+            num_hidden_layers=N_LAYERS,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=2,
+            **TINY,
+        )
     if name == "qwen3":
         return tf.Qwen3Config(num_hidden_layers=N_LAYERS, **TINY)
     if name == "gemma2":
         return tf.Gemma2Config(num_hidden_layers=N_LAYERS, sliding_window=WINDOW, **TINY)
     if name == "gemma3":
-        return tf.Gemma3TextConfig(num_hidden_layers=N_LAYERS, sliding_window=WINDOW,
-                                   layer_types=["sliding_attention", "full_attention"] * 2, **TINY)
+        return tf.Gemma3TextConfig(
+            num_hidden_layers=N_LAYERS,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            **TINY,
+        )
     raise KeyError(name)
 
 
@@ -72,7 +91,9 @@ def test_layer_plan(name):
 
 
 def test_layer_plan_kv_sharing_and_skip():
-    cfg = tf.Gemma3nTextConfig(num_hidden_layers=10, sliding_window=8, num_kv_shared_layers=4, **TINY)
+    cfg = tf.Gemma3nTextConfig(
+        num_hidden_layers=10, sliding_window=8, num_kv_shared_layers=4, **TINY
+    )
     kinds = [spec.kind for spec in build_layer_plan(cfg, skip_layers=[4])]
     assert kinds[6:] == [LayerKind.SHARED] * 4
     assert kinds[4] is LayerKind.FULL_PRECISION  # the full-attention producer, skipped
@@ -87,22 +108,30 @@ def test_forward_matches_dynamic_cache(name):
     model = AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 100))
     p = kt.CodecParams(**P8)
-    ctx = pytest.warns(UserWarning, match="no compressible") if name == "mistral_sliding" else nullcontext()
+    ctx = (
+        pytest.warns(UserWarning, match="no compressible")
+        if name == "mistral_sliding"
+        else nullcontext()
+    )
     with ctx:
-        cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8, sink_tokens=2)
+        cache = KakeyaCache.from_model(
+            model, k_params=p, v_params=p, residual_length=8, sink_tokens=2
+        )
     dyn = DynamicCache(config=cfg)
 
     logits_k, logits_d = [], []
     for cache_, out in ((cache, logits_k), (dyn, logits_d)):
         out.append(model(ids[:, :90], past_key_values=cache_, use_cache=True).logits[:, -1])
         for i in range(90, 100):
-            out.append(model(ids[:, i : i + 1], past_key_values=cache_, use_cache=True).logits[:, -1])
+            out.append(
+                model(ids[:, i : i + 1], past_key_values=cache_, use_cache=True).logits[:, -1]
+            )
     lk, ld = torch.stack(logits_k), torch.stack(logits_d)
     assert torch.isfinite(lk).all()
     torch.testing.assert_close(lk, ld, atol=0.05, rtol=0.05)
 
     rep = cache.memory_report()
-    for spec, layer, lrep in zip(cache.layer_plan, cache.layers, rep["layers"], strict=True):
+    for spec, layer, lrep in zip(cache.layer_plan, cache.layers, rep["layers"]):
         if spec.kind is LayerKind.SLIDING:
             assert type(layer) is tf.cache_utils.DynamicSlidingWindowLayer
             assert lrep["compressed_bytes"] == 0
@@ -137,8 +166,67 @@ def test_unsupported_models_are_refused():
     with pytest.raises(NotImplementedError, match="encoder-decoder"):
         KakeyaCache(tf.T5Config())
     # A RoPE type whose inverse is not implemented, only in pre-RoPE mode.
-    cfg = tf.LlamaConfig(num_hidden_layers=2, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                              "original_max_position_embeddings": 128}, **TINY)
-    KakeyaCache(cfg)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        **TINY,
+    )
+    assert KakeyaCache(cfg).pre_rope is False  # the default falls back to post-RoPE
     with pytest.raises(NotImplementedError, match="yarn"):
         KakeyaCache(cfg, pre_rope=True)
+
+
+@torch.inference_mode()
+def test_bfloat16_model():
+    torch.manual_seed(0)
+    cfg = config("qwen3")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 80))
+    p = kt.CodecParams(**P8)
+    cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8, pre_rope=True)
+    got = model(ids, past_key_values=cache, use_cache=True).logits
+    nxt = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    assert got.dtype == nxt.dtype == torch.bfloat16 and torch.isfinite(nxt).all()
+    ref_cache = DynamicCache(config=cfg)
+    model(ids, past_key_values=ref_cache, use_cache=True)
+    ref = model(ids[:, -1:], past_key_values=ref_cache, use_cache=True).logits
+    torch.testing.assert_close(nxt.float(), ref.float(), atol=0.1, rtol=0.05)
+    rep = cache.memory_report()
+    assert rep["dense_bytes"] == rep["bf16_equivalent_bytes"] > 0
+    assert cache.layers[0]._hot_k.dtype == torch.bfloat16
+
+
+@torch.inference_mode()
+def test_generate_gemma3n_kv_sharing():
+    """KV-sharing consumers hold nothing (a placeholder on transformers >= 5.23, dropped from
+    the cache before) and read the producer's decoded states."""
+    torch.manual_seed(0)
+    cfg = tf.Gemma3nTextConfig(
+        num_hidden_layers=10,
+        sliding_window=16,
+        num_kv_shared_layers=4,
+        vocab_size_per_layer_input=TINY["vocab_size"],
+        hidden_size_per_layer_input=8,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        **TINY,
+    )
+    model = tf.Gemma3nForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 80))
+    p = kt.CodecParams(**P8)
+    cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert (out == ref).float().mean().item() >= 0.9
+    rep = cache.memory_report()
+    kinds = [layer["kind"] for layer in rep["layers"]]
+    assert kinds[4] == "compressed" and rep["layers"][4]["compressed_tokens"] > 0
+    assert all(k == "sliding" for i, k in enumerate(kinds) if i != 4 and i < 6)
+    assert all(
+        k == "shared" and r["total_bytes"] == 0 for k, r in zip(kinds[6:], rep["layers"][6:])
+    )

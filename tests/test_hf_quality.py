@@ -19,7 +19,20 @@ MODEL_DIR = SHARED / "models" / "kt-ref-a"
 TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 PROMPT, CONT = 600, 64
 
-pytestmark = pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present")
+pytestmark = [
+    pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
+    pytest.mark.slow,
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core box
+    # that makes these small forwards ~10x slower. One torch thread keeps the file fast.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +62,7 @@ def near_lossless(**kw):
 
 @torch.inference_mode()
 def teacher_force(model, ids, cache):
-    """Log-probs [CONT, vocab] of each continuation token: prefill PROMPT, then one token per step."""
+    """Log-probs [CONT, vocab] of the continuation: prefill PROMPT, then one token per step."""
     out = model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
     logits = [out.logits[0, -1]]
     for i in range(PROMPT, PROMPT + CONT - 1):
@@ -95,7 +108,10 @@ def test_teacher_forced_pre_rope_and_default_recipe(model, passage, reference):
     cache = KakeyaCache.from_model(model, residual_length=64)
     top1, dlp = agreement(reference, teacher_force(model, passage, cache), passage)
     rep = cache.memory_report()
-    print(f"\ndefault recipe: top-1 {top1:.4f}, mean |delta log-prob| {dlp:.5f}, ratio {rep['ratio']:.2f}")
+    print(
+        f"\ndefault recipe: top-1 {top1:.4f}, mean |delta log-prob| {dlp:.5f}, "
+        f"ratio {rep['ratio']:.2f}"
+    )
     # A lossy default must still track the model (a layout or RoPE bug lands near chance).
     assert top1 >= 0.75
 
@@ -113,7 +129,12 @@ def test_compression_is_not_a_no_op(model, passage, reference):
 def test_generate_greedy_matches_dynamic_at_near_lossless(model, passage):
     k, v = near_lossless()
     prompt = passage[:, :300]
-    ref = model.generate(prompt, max_new_tokens=24, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    ref = model.generate(
+        prompt,
+        max_new_tokens=24,
+        do_sample=False,
+        past_key_values=DynamicCache(config=model.config),
+    )
     cache = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
     got = model.generate(prompt, max_new_tokens=24, do_sample=False, past_key_values=cache)
     assert got.shape == ref.shape
@@ -133,10 +154,18 @@ def test_generate_sampled_and_padded_batch(model, tokenizer, passage):
     mask = torch.zeros((2, 400), dtype=torch.long)
     ids[0], mask[0] = a, 1
     ids[1, 150:], mask[1, 150:] = b, 1
-    cache = KakeyaCache.from_model(model, residual_length=32, k_params=kt.CodecParams(block_size=128))
+    cache = KakeyaCache.from_model(
+        model, residual_length=32, k_params=kt.CodecParams(block_size=128)
+    )
     torch.manual_seed(0)
     out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=True, top_k=20, pad_token_id=pad
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=20,
+        pad_token_id=pad,
     )
     assert out.shape == (2, 416)
     assert cache.memory_report()["compressed_tokens"] > 0
@@ -147,9 +176,18 @@ def test_generate_sampled_and_padded_batch(model, tokenizer, passage):
     # Each padded row must behave like that row alone (greedy, near-lossless).
     k, v = near_lossless()
     batch = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
-    out = model.generate(ids, attention_mask=mask, past_key_values=batch, max_new_tokens=8, do_sample=False, pad_token_id=pad)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=batch,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=pad,
+    )
     alone = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
-    ref = model.generate(b[None], past_key_values=alone, max_new_tokens=8, do_sample=False, pad_token_id=pad)
+    ref = model.generate(
+        b[None], past_key_values=alone, max_new_tokens=8, do_sample=False, pad_token_id=pad
+    )
     assert (out[1, 400:] == ref[0, 250:]).float().mean().item() >= 0.75
 
 
@@ -158,7 +196,9 @@ def test_beam_search_runs(model, passage):
     k, v = near_lossless()
     prompt = passage[:, :300]
     cache = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
-    out = model.generate(prompt, max_new_tokens=8, num_beams=3, do_sample=False, past_key_values=cache)
+    out = model.generate(
+        prompt, max_new_tokens=8, num_beams=3, do_sample=False, past_key_values=cache
+    )
     ref = model.generate(prompt, max_new_tokens=8, num_beams=3, do_sample=False)
     assert out.shape == ref.shape
     assert (out[0, 300:] == ref[0, 300:]).float().mean().item() >= 0.75

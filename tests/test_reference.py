@@ -97,6 +97,45 @@ def test_shared_basis_and_weights_accounting():
     assert abs(err_rust - err_ref) <= 0.10 * err_ref, (err_rust, err_ref)
 
 
+@pytest.mark.parametrize(
+    "opts", [{}, {"k": 0, "bit_width": 4}, {"metric": "inner_product", "bit_width": 2, "k": 4}]
+)
+def test_identity_basis_reproduces_rust_almost_exactly(opts):
+    """With pca_method 'none' there is no eigenvector sign ambiguity and the reference uses
+    the Rust random streams, so the two decode to nearly the same values (only rare
+    quantiser-boundary or f16-rounding ties differ) at exactly the same size."""
+    try:
+        p = kt.CodecParams(pca_method="none", **opts)
+    except ValueError:
+        pytest.skip("this build of the Rust core has no pca_method='none'")
+    x = kv_like(1100, 64, seed=11)
+    enc, renc = kt.encode_layer(x, p), ref.encode_layer(x, p)
+    d_out = n_outliers(enc.stats) - n_outliers(renc.stats)
+    assert enc.nbytes - renc.nbytes == ref.OUTLIER_BYTES * d_out
+    assert [s["d_eff"] for s in enc.stats] == [64, 64, 64]
+    diff = np.abs(kt.decode_layer(enc) - ref.decode_layer(renc))
+    assert diff.max() <= 1e-3 * np.abs(x).max()
+    assert np.mean(diff > 1e-5 * np.abs(x).max()) < 0.01
+
+
+@pytest.mark.parametrize("metric", ["mse", "inner_product"])
+def test_scale_refit_metric(metric):
+    """Both implementations: the inner-product scale makes <r_hat, r> = |r|^2 per vector
+    (no shrinkage of q . k); the MSE scale shrinks by about 1 - D(bits)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((512, 64)) * np.linspace(3.0, 0.2, 64) + 0.7).astype(np.float32)
+    p = kt.CodecParams(
+        bit_width=2, k=0, metric=metric, skeleton_dtype="fp32", outlier_threshold=float("inf")
+    )
+    r = x - x.mean(axis=0)
+    for x_hat in (kt.decode_layer(kt.encode_layer(x, p)), ref.encode_decode_layer(x, p)[0]):
+        gain = np.einsum("ij,ij->i", r, x_hat - x.mean(axis=0)) / np.einsum("ij,ij->i", r, r)
+        if metric == "inner_product":
+            np.testing.assert_allclose(gain, 1.0, atol=2e-3)  # f16 scale rounding
+        else:
+            assert abs(gain.mean() - (1 - 0.1175)) < 0.02, gain.mean()
+
+
 def hadamard(n: int) -> np.ndarray:
     """Sylvester-Hadamard matrix (entries ±1, H H = n I) by explicit Kronecker products."""
     h = np.ones((1, 1))
@@ -140,9 +179,7 @@ def test_wht_rotation_is_the_explicit_orthonormal_hadamard(log_n, seed, vals):
     np.testing.assert_allclose(ref.fwht(signs * x) / np.sqrt(n), y, atol=1e-4 * max(1.0, ny**0.5))
 
 
-@pytest.mark.parametrize(
-    "bits, published", [(1, 0.3634), (2, 0.1175), (3, 0.03454), (4, 0.009497)]
-)
+@pytest.mark.parametrize("bits, published", [(1, 0.3634), (2, 0.1175), (3, 0.03454), (4, 0.009497)])
 def test_gaussian_codebook_distortion_matches_max_1960(bits, published):
     levels = kt.gaussian_codebook(bits).astype(np.float64)
     assert levels.shape == (2**bits,) and np.all(np.diff(levels) > 0)

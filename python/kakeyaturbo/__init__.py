@@ -9,6 +9,7 @@
 
 from ._core import (
     FORMAT_VERSION,
+    Basis,
     ChecksumError,
     CodecParams,
     FormatError,
@@ -32,6 +33,7 @@ from .codec import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "Basis",
     "ChecksumError",
     "CodecParams",
     "EncodedLayer",

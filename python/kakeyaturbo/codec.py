@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _core
 from ._arrays import Origin, from_core, to_core
-from ._core import CodecParams
+from ._core import Basis, CodecParams
 
 
 class EncodedLayer:
@@ -56,6 +56,11 @@ class EncodedLayer:
     @property
     def params(self) -> CodecParams:
         return self._raw.params
+
+    @property
+    def basis_fingerprint(self) -> Optional[int]:
+        """Fingerprint of the external :class:`Basis` needed to decode (None: self-contained)."""
+        return self._raw.basis_fingerprint
 
     @property
     def stats(self) -> list[dict]:
@@ -101,25 +106,44 @@ def _params(params: Optional[CodecParams]) -> CodecParams:
     return params
 
 
-def encode_layer(x: Any, params: Optional[CodecParams] = None, weights: Any = None) -> EncodedLayer:
+def _basis(basis: Optional[Basis], name: str = "basis") -> Optional[Basis]:
+    if basis is not None and not isinstance(basis, Basis):
+        raise TypeError(f"{name}: expected kakeyaturbo.Basis, got {type(basis).__name__}")
+    return basis
+
+
+def _bases(bases: Any, name: str = "bases") -> Optional[list]:
+    if bases is None:
+        return None
+    if isinstance(bases, Basis):
+        return [bases]
+    return [_basis(b, f"{name}[{i}]") for i, b in enumerate(bases)]
+
+
+def encode_layer(
+    x: Any, params: Optional[CodecParams] = None, weights: Any = None,
+    basis: Optional[Basis] = None,
+) -> EncodedLayer:
     """Encodes ``x`` of shape ``[tokens, head_dim]`` (float32/float16/bfloat16, numpy or
-    torch; CUDA tensors are copied to the host). ``weights`` ([tokens], >= 0) weight the PCA."""
+    torch; CUDA tensors are copied to the host). ``weights`` ([tokens], >= 0) weight the PCA.
+    ``basis`` (a calibrated :class:`Basis`) replaces the fitted one and is not stored."""
     arr, bf16, origin = to_core(x, "x", 2)
     w = None
     if weights is not None:
         w, _, _ = to_core(weights if not isinstance(weights, (list, tuple)) else
                           np.asarray(weights, dtype=np.float32), "weights", 1)
         w = np.ascontiguousarray(w, dtype=np.float32)
-    raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16)
+    raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16,
+                             basis=_basis(basis))
     return EncodedLayer(raw, origin)
 
 
-def decode_layer(enc: EncodedLayer, out: Optional[str] = None) -> Any:
+def decode_layer(enc: EncodedLayer, out: Optional[str] = None, basis: Optional[Basis] = None) -> Any:
     """Decodes to the input's shape, dtype, framework and device. Layers read with
     ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise."""
     if not isinstance(enc, EncodedLayer):
         raise TypeError(f"enc: expected EncodedLayer, got {type(enc).__name__}")
-    return from_core(_core.decode_layer(enc._raw), enc.dtype, enc._origin, out)
+    return from_core(_core.decode_layer(enc._raw, basis=_basis(basis)), enc.dtype, enc._origin, out)
 
 
 def encode_block(x: Any, params: Optional[CodecParams] = None, weights: Any = None) -> EncodedLayer:
@@ -138,19 +162,21 @@ def decode_block(enc: EncodedLayer, out: Optional[str] = None) -> Any:
     return decode_layer(enc, out)
 
 
-def encode_batch(x: Any, params: Optional[CodecParams] = None) -> list[EncodedLayer]:
+def encode_batch(x: Any, params: Optional[CodecParams] = None, bases: Any = None) -> list[EncodedLayer]:
     """Encodes ``[streams, tokens, head_dim]`` (e.g. batch x kv-heads) as independent
     streams, in parallel on all cores. A 4-D ``[layers, heads, tokens, head_dim]`` input is
-    flattened to streams in row-major order."""
+    flattened to streams in row-major order. ``bases``: one :class:`Basis` for all streams
+    or one per stream."""
     arr, bf16, origin = to_core(x, "x", x.ndim if getattr(x, "ndim", 0) == 4 else 3)
     if arr.ndim == 4:
         arr = arr.reshape(-1, *arr.shape[2:])
-    raws = _core.encode_batch(arr, _params(params), bf16_bits=bf16)
+    raws = _core.encode_batch(arr, _params(params), bf16_bits=bf16, bases=_bases(bases))
     return [EncodedLayer(r, origin) for r in raws]
 
 
-def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None) -> Any:
-    """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel."""
+def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases: Any = None) -> Any:
+    """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel
+    (``bases`` as in :func:`encode_batch`, for layers encoded with one)."""
     encs = list(encs)
     if not encs:
         raise ValueError("encs: the list is empty")
@@ -160,7 +186,7 @@ def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None) -> Any
     dtypes = {e.dtype for e in encs}
     if len(dtypes) != 1:
         raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
-    values = _core.decode_batch([e._raw for e in encs])
+    values = _core.decode_batch([e._raw for e in encs], bases=_bases(bases))
     return from_core(values, encs[0].dtype, encs[0]._origin, out)
 
 
@@ -180,7 +206,7 @@ def _widen(arr: np.ndarray, bf16: bool) -> np.ndarray:
 
 
 def gaussian_codebook(bits: int) -> np.ndarray:
-    """Lloyd-Max levels for N(0, 1) at ``bits`` in {1, 2, 3, 4, 8}."""
+    """Lloyd-Max levels for N(0, 1) at ``bits`` in 1..8."""
     return np.asarray(_core.gaussian_codebook(bits), dtype=np.float32)
 
 

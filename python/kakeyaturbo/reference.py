@@ -30,7 +30,8 @@ the wire format stores. Byte counts follow ``rust/kakeyaturbo/src/format/mod.rs`
 The random streams (WHT signs, k-means++ draws) use the same SplitMix64 generator and
 stream ids as the Rust core, so the rotation is identical; everything else differs only by
 floating-point summation order, so distortion agrees statistically, not bit for bit.
-Randomized PCA is not implemented here (``pca_method="randomized"`` raises).
+``pca_method="none"`` (mean removal only; identity basis, ``d_eff = D``, no basis bytes) is
+supported; randomized PCA is not implemented here (``pca_method="randomized"`` raises).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
     "RefBlock",
     "RefLayer",
     "SplitMix64",
+    "block_nbytes",
     "decode_block",
     "decode_layer",
     "encode_block",
@@ -175,8 +177,15 @@ def _weights(n: int, weights: Any) -> np.ndarray:
 def _check(p: CodecParams) -> None:
     if not isinstance(p, CodecParams):
         raise TypeError(f"params: expected CodecParams, got {type(p).__name__}")
-    if p.pca_method != "exact":
-        raise NotImplementedError("the numpy reference implements pca_method='exact' only")
+    if p.pca_method not in ("exact", "none"):
+        raise NotImplementedError(
+            f"the numpy reference implements pca_method 'exact' and 'none', not {p.pca_method!r}"
+        )
+
+
+def _basis_rows(p: CodecParams, d_eff: int) -> int:
+    """Basis rows the wire format stores: none for pca_method 'none' (identity)."""
+    return 0 if p.pca_method == "none" else d_eff
 
 
 # --------------------------------------------------------------------------------------
@@ -185,10 +194,13 @@ def _check(p: CodecParams) -> None:
 
 
 def _fit_basis(x: np.ndarray, w: np.ndarray, p: CodecParams) -> tuple[np.ndarray, np.ndarray]:
-    """Weighted exact PCA -> (mean [D], basis [d_eff, D]), both rounded to the skeleton dtype."""
+    """Weighted exact PCA -> (mean [D], basis [d_eff, D]), both rounded to the skeleton dtype.
+    With pca_method 'none' the basis is the identity (not stored on the wire)."""
     d = x.shape[1]
     x64 = x.astype(np.float64)
     mu = w @ x64
+    if p.pca_method == "none":
+        return _round_skeleton(mu, p.skeleton_dtype), np.eye(d, dtype=np.float32)
     a = np.sqrt(w)[:, None] * (x64 - mu)
     evals, evecs = np.linalg.eigh(a.T @ a)
     order = np.argsort(-evals, kind="stable")
@@ -308,19 +320,35 @@ class RefBlock:
 
     def nbytes(self, p: CodecParams, head_dim: int) -> int:
         """Bytes of this block on the wire (block header included)."""
-        s = _skeleton_size(p.skeleton_dtype)
-        size = BLOCK_HEADER_LEN
-        if self.mean is not None:
-            size += s * head_dim * (1 + self.d_eff)
-        size += s * self.k_used * self.d_eff
-        lb = label_bits(self.k_used)
-        if lb:
-            size += _packed(self.n, lb)
-        if self.k_used:
-            size += 2 * self.n
-        size += 2 * self.n
-        size += _packed(self.n * _next_pow2(self.d_eff), p.bit_width)
-        return size + OUTLIER_BYTES * self.n_outliers
+        return block_nbytes(
+            p, head_dim, self.n, self.d_eff, self.k_used, self.n_outliers, self.mean is not None
+        )
+
+
+def block_nbytes(
+    p: CodecParams,
+    head_dim: int,
+    n: int,
+    d_eff: int,
+    k_used: int,
+    n_outliers: int,
+    own_basis: bool = True,
+) -> int:
+    """Wire bytes of one block (``format/mod.rs``): header, [mean, basis], centres, packed
+    labels, t, scales, packed codes of ``W = next_pow2(d_eff)`` per vector, outliers."""
+    s = _skeleton_size(p.skeleton_dtype)
+    size = BLOCK_HEADER_LEN
+    if own_basis:
+        size += s * head_dim * (1 + _basis_rows(p, d_eff))
+    size += s * k_used * d_eff
+    lb = label_bits(k_used)
+    if lb:
+        size += _packed(n, lb)
+    if k_used:
+        size += 2 * n  # t, f16
+    size += 2 * n  # scales, f16
+    size += _packed(n * _next_pow2(d_eff), p.bit_width)
+    return size + OUTLIER_BYTES * n_outliers
 
 
 def encode_block(
@@ -451,7 +479,8 @@ class RefLayer:
         if p.centroids is not None:
             size += 4 * len(p.centroids)
         if self.shared is not None:
-            size += 4 + _skeleton_size(p.skeleton_dtype) * d * (1 + self.shared[1].shape[0])
+            rows = _basis_rows(p, self.shared[1].shape[0])
+            size += 4 + _skeleton_size(p.skeleton_dtype) * d * (1 + rows)
         return size + sum(b.nbytes(p, d) for b in self.blocks)
 
 
@@ -462,20 +491,7 @@ def layer_nbytes(stats: list[dict], params: CodecParams, head_dim: int) -> int:
         raise ValueError("layer_nbytes: the shared basis size is not in the stats")
     size = HEADER_LEN + CRC_LEN + (4 * len(params.centroids) if params.centroids else 0)
     for st in stats:
-        stub = RefBlock(
-            n=st["n"],
-            d_eff=st["d_eff"],
-            mean=np.zeros(head_dim),
-            basis=None,
-            centres=np.zeros((st["k_used"], st["d_eff"])),
-            labels=np.zeros(0),
-            t=np.zeros(0),
-            scales=np.zeros(0),
-            codes=np.zeros((0, 0)),
-            outlier_pos=np.zeros(st["n_outliers"]),
-            outlier_val=np.zeros(0),
-        )
-        size += stub.nbytes(params, head_dim)
+        size += block_nbytes(params, head_dim, st["n"], st["d_eff"], st["k_used"], st["n_outliers"])
     return size
 
 

@@ -49,7 +49,9 @@ def _check_keys(params: dict[str, Any], allowed: set[str], name: str) -> None:
     for key in params:
         base = key[2:] if key[:2] in ("k_", "v_") and len(key) > 2 else key
         if base not in allowed:
-            raise ValueError(f"{name}: unknown parameter {key!r} (known: {', '.join(sorted(allowed))})")
+            raise ValueError(
+                f"{name}: unknown parameter {key!r} (known: {', '.join(sorted(allowed))})"
+            )
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -113,7 +115,9 @@ class Zero(Method):
 # fp8
 
 
-@register("fp8", "fp8 e4m3 with an fp32 scale per head (granularity=head|tensor), as vLLM stores it")
+@register(
+    "fp8", "fp8 e4m3 with an fp32 scale per head (granularity=head|tensor), as vLLM stores it"
+)
 class Fp8(Method):
     """fp8 e4m3: x / scale rounded to e4m3 (saturating), scale = amax / 448 over the head's tokens.
 
@@ -127,7 +131,9 @@ class Fp8(Method):
     def __init__(self, params: dict[str, Any]):
         _check_keys(params, {"granularity"}, self.name)
         super().__init__(params)
-        self.granularity = {s: stream_params(params, s).get("granularity", "head") for s in ("k", "v")}
+        self.granularity = {
+            s: stream_params(params, s).get("granularity", "head") for s in ("k", "v")
+        }
         for g in self.granularity.values():
             if g not in ("head", "tensor"):
                 raise ValueError(f"fp8: granularity must be head or tensor, not {g!r}")
@@ -170,7 +176,9 @@ def minmax_quantize(x: torch.Tensor, bits: int, group: int, dim: int) -> tuple[t
     if pad:
         # repeating the last element leaves each group's min and max unchanged
         last = xf.narrow(dim, n - 1, 1)
-        xf = torch.cat([xf, last.expand(*[pad if i == dim else s for i, s in enumerate(xf.shape)])], dim=dim)
+        xf = torch.cat(
+            [xf, last.expand(*[pad if i == dim else s for i, s in enumerate(xf.shape)])], dim=dim
+        )
     shape = list(xf.shape)
     g = xf.reshape(shape[:dim] + [n_groups, group] + shape[dim + 1 :])
     gdim = dim + 1
@@ -220,7 +228,7 @@ class Kivi(Method):
 
     def compress(self, x, layer, stream):
         bits, group = self.cfg[stream]
-        # keys: per channel, groups run along tokens (dim 2); values: per token, along channels (dim 3)
+        # keys: per channel, groups along tokens (dim 2); values: per token, along channels (dim 3)
         x_hat, groups = minmax_quantize(x, bits, group, dim=2 if stream == "k" else 3)
         row = {"codes": nominal_bytes(x[0].numel(), bits), "scales": 4 * groups}
         return x_hat, [dict(row) for _ in range(_rows(x))]
@@ -256,6 +264,7 @@ def lloyd_max_sphere(dim: int, bits: int, grid: int = 200_001, iters: int = 300)
     return c
 
 
+@lru_cache(maxsize=16)
 def _rotation(dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(dim, dim, generator=g, dtype=torch.float64)
@@ -263,12 +272,15 @@ def _rotation(dim: int, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()  # Haar-distributed orthogonal matrix
 
 
+@lru_cache(maxsize=16)
 def _gaussian(dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(dim, dim, generator=g, dtype=torch.float32)
 
 
-@register("turboquant", "TurboQuant-style: rotation + Lloyd-Max per coordinate + norm (bits=, qjl=0|1)")
+@register(
+    "turboquant", "TurboQuant-style: rotation + Lloyd-Max per coordinate + norm (bits=, qjl=0|1)"
+)
 class TurboQuant(Method):
     """TurboQuant (Zandieh et al., 2025), reimplemented.
 
@@ -288,7 +300,11 @@ class TurboQuant(Method):
         self.cfg = {}
         for s in ("k", "v"):
             p = stream_params(params, s)
-            bits, qjl, seed = int(p.get("bits", 3)), int(bool(p.get("qjl", 0))), int(p.get("seed", 0))
+            bits, qjl, seed = (
+                int(p.get("bits", 3)),
+                int(bool(p.get("qjl", 0))),
+                int(p.get("seed", 0)),
+            )
             if not 1 <= bits <= 8 or bits - qjl < 0:
                 raise ValueError("turboquant: need 1 <= bits <= 8")
             self.cfg[s] = (bits, qjl, seed)
@@ -298,7 +314,9 @@ class TurboQuant(Method):
         return (self.cfg["k"][0] + self.cfg["v"][0]) / 2
 
     def resolved_params(self):
-        return {f"{s}_{n}": v for s in ("k", "v") for n, v in zip(("bits", "qjl", "seed"), self.cfg[s])}
+        return {
+            f"{s}_{n}": v for s in ("k", "v") for n, v in zip(("bits", "qjl", "seed"), self.cfg[s])
+        }
 
     def compress(self, x, layer, stream):
         bits, qjl, seed = self.cfg[stream]
@@ -382,7 +400,9 @@ class _GroupWiseHF(HFQuantizedCache):
     allowed_bits: tuple[int, ...] = ()
 
     def __init__(self, params: dict[str, Any]):
-        _check_keys_plain(params, {"bits", "group", "axis_key", "axis_value", "residual"}, self.backend)
+        _check_keys_plain(
+            params, {"bits", "group", "axis_key", "axis_value", "residual"}, self.backend
+        )
         self.nbits = int(params.get("bits", 4))
         self.group = int(params.get("group", 64))
         self.axis_key = int(params.get("axis_key", self.default_axis))
@@ -396,14 +416,21 @@ class _GroupWiseHF(HFQuantizedCache):
 
     def resolved_params(self):
         return {
-            "backend": self.backend, "bits": self.nbits, "group": self.group, "axis_key": self.axis_key,
-            "axis_value": self.axis_value, "residual": self.residual,
+            "backend": self.backend,
+            "bits": self.nbits,
+            "group": self.group,
+            "axis_key": self.axis_key,
+            "axis_value": self.axis_value,
+            "residual": self.residual,
         }
 
     def cache_kwargs(self):
         return {
-            "nbits": self.nbits, "axis_key": self.axis_key, "axis_value": self.axis_value,
-            "q_group_size": self.group, "residual_length": self.residual,
+            "nbits": self.nbits,
+            "axis_key": self.axis_key,
+            "axis_value": self.axis_value,
+            "q_group_size": self.group,
+            "residual_length": self.residual,
         }
 
     def count(self, layer):
@@ -411,7 +438,10 @@ class _GroupWiseHF(HFQuantizedCache):
         allocated = 0
         for stream, q in (("k", layer._quantized_keys), ("v", layer._quantized_values)):
             numel, alloc = self._numel_and_alloc(q)
-            counted[stream] = {"codes": nominal_bytes(numel, self.nbits), "scales": 4 * math.ceil(numel / self.group)}
+            counted[stream] = {
+                "codes": nominal_bytes(numel, self.nbits),
+                "scales": 4 * math.ceil(numel / self.group),
+            }
             allocated += alloc
         return counted, allocated
 
@@ -419,10 +449,15 @@ class _GroupWiseHF(HFQuantizedCache):
 def _check_keys_plain(params: dict[str, Any], allowed: set[str], name: str) -> None:
     for key in params:
         if key not in allowed:
-            raise ValueError(f"hf-{name}: unknown parameter {key!r} (known: {', '.join(sorted(allowed))})")
+            raise ValueError(
+                f"hf-{name}: unknown parameter {key!r} (known: {', '.join(sorted(allowed))})"
+            )
 
 
-@register("hf-hqq", "transformers QuantizedCache, HQQ backend, as shipped (bits=1|2|3|4|8, group=, axis_*)")
+@register(
+    "hf-hqq",
+    "transformers QuantizedCache, HQQ backend, as shipped (bits=1|2|3|4|8, group=, axis_*)",
+)
 class HFHqq(_GroupWiseHF):
     name = "hf-hqq"
     backend = "hqq"
@@ -434,7 +469,10 @@ class HFHqq(_GroupWiseHF):
         if not is_hqq_available():
             return "hqq is not installed (pip install hqq)"
         if self.nbits == 3 and 1 in (self.axis_key, self.axis_value):
-            return "hqq 3-bit packing fails on axis=1 (its dequantize returns an empty tensor)"
+            return (
+                "hqq 0.2.8 3-bit packing fails on axis=1 (dequantize returns an empty tensor);"
+                " axis_key=0,axis_value=0 works"
+            )
         return None
 
     @staticmethod
@@ -442,12 +480,17 @@ class HFHqq(_GroupWiseHF):
         w, meta = q
         numel = math.prod(meta["shape"])
         alloc = w.numel() * w.element_size() + sum(
-            meta[k].numel() * meta[k].element_size() for k in ("scale", "zero") if torch.is_tensor(meta.get(k))
+            meta[k].numel() * meta[k].element_size()
+            for k in ("scale", "zero")
+            if torch.is_tensor(meta.get(k))
         )
         return numel, alloc
 
 
-@register("hf-quanto", "transformers QuantizedCache, optimum-quanto backend, as shipped (bits=2|4, group=)")
+@register(
+    "hf-quanto",
+    "transformers QuantizedCache, optimum-quanto backend, as shipped (bits=2|4, group=)",
+)
 class HFQuanto(_GroupWiseHF):
     name = "hf-quanto"
     backend = "quanto"
@@ -476,7 +519,12 @@ class HFQuanto(_GroupWiseHF):
         return numel, alloc
 
 
-@register("hf-fp8", "transformers QuantizedCache, fp8 backend (e4m3, one fp32 scale per tensor), as shipped")
+# As shipped, the fp8 backend has no residual window: the teacher-forced continuation is
+# quantized too (with the prefix's scale), unlike every other method here.
+@register(
+    "hf-fp8",
+    "transformers QuantizedCache, fp8 backend (e4m3, one fp32 scale per tensor), as shipped",
+)
 class HFFp8(HFQuantizedCache):
     name = "hf-fp8"
     backend = "fp8"

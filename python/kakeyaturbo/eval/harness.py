@@ -33,7 +33,14 @@ from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
 from kakeyaturbo.modeling import Passage
 
-__all__ = ["CompressingCache", "Reference", "compress_stream", "evaluate_method", "prepare_reference"]
+__all__ = [
+    "CompressingCache",
+    "Reference",
+    "Rope",
+    "compress_stream",
+    "evaluate_method",
+    "prepare_reference",
+]
 
 MODES = ("snapshot", "in-forward")
 
@@ -43,32 +50,77 @@ def _add(a: ByteCount, b: ByteCount) -> None:
         a[k] = a.get(k, 0) + int(v)
 
 
-def compress_stream(method: Method, x: torch.Tensor, layer: int, stream: str) -> tuple[torch.Tensor, list[ByteCount]]:
-    """Apply `method` to one layer's K or V ([B, H, T, D]) with its shared options (sinks,
-    window, skipped layers, stream choice); returns the reconstruction and per-row bytes."""
+class Rope:
+    """The model's rotary embedding, to undo it on keys before coding and redo it after.
+
+    Uses the model's own `rotary_emb` module (so any RoPE scaling it has), with the half-split
+    pairing of Llama-style models. The token at index i of a prefix sits at position i.
+    """
+
+    def __init__(self, model):
+        self.rotary = next(
+            (m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None
+        )
+        if self.rotary is None:
+            raise ValueError("pre_rope=true needs a model with a rotary embedding module")
+
+    def _cos_sin(self, x: torch.Tensor, start: int):
+        pos = torch.arange(start, start + x.shape[2], device=x.device).unsqueeze(0)
+        cos, sin = self.rotary(x, pos)
+        return cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+
+    @staticmethod
+    def _half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def unrotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        cos, sin = self._cos_sin(x, start)
+        return x * cos - self._half(x) * sin
+
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        cos, sin = self._cos_sin(x, start)
+        return x * cos + self._half(x) * sin
+
+
+def compress_stream(
+    method: Method, x: torch.Tensor, layer: int, stream: str, rope: Rope | None = None
+) -> tuple[torch.Tensor, list[ByteCount]]:
+    """Apply `method` to one layer's K or V ([B, H, T, D], token i at position i) with its
+    shared options (sinks, window, skipped layers, stream choice, pre-RoPE keys); returns the
+    reconstruction and per-row bytes."""
     opts = method.options
     b, h, t, d = x.shape
+    keep = bf16_round if opts.passthrough == "bf16" else (lambda y: y)
 
     def full(tokens: int) -> int:
         return h * tokens * d * 2
 
     if not opts.compresses(layer, stream):
-        return bf16_round(x), [{"full_precision": full(t)} for _ in range(b)]
+        return keep(x), [{"full_precision": full(t)} for _ in range(b)]
     s = min(opts.sink, t)
     w = min(opts.window, t - s)
     rows: list[ByteCount] = [{} for _ in range(b)]
     parts = []
     if s:
-        parts.append(bf16_round(x[:, :, :s]))
+        parts.append(keep(x[:, :, :s]))
     if t - s - w > 0:
-        mid_hat, mid_rows = method.compress(x[:, :, s : t - w].contiguous(), layer, stream)
+        mid = x[:, :, s : t - w].contiguous()
+        unrope = opts.pre_rope and stream == "k"
+        if unrope:
+            if rope is None:
+                raise ValueError(f"{method.spec}: pre_rope=true but no rotary embedding given")
+            mid = rope.unrotate(mid, s).contiguous()
+        mid_hat, mid_rows = method.compress(mid, layer, stream)
         if mid_hat.shape != (b, h, t - s - w, d):
             raise RuntimeError(f"{method.spec}: reconstruction has shape {tuple(mid_hat.shape)}")
+        if unrope:
+            mid_hat = rope.rotate(mid_hat.to(x.dtype), s)
         parts.append(mid_hat.to(x.dtype))
         for r, m in zip(rows, mid_rows):
             _add(r, m)
     if w:
-        parts.append(bf16_round(x[:, :, t - w :]))
+        parts.append(keep(x[:, :, t - w :]))
     if s or w:
         for r in rows:
             _add(r, {"full_precision": full(s + w)})
@@ -79,16 +131,17 @@ def compress_stream(method: Method, x: torch.Tensor, layer: int, stream: str) ->
 class CompressingCache(DynamicCache):
     """A `DynamicCache` that compresses K/V inside the forward pass while `active` is set."""
 
-    def __init__(self, method: Method, config):
+    def __init__(self, method: Method, config, rope: Rope | None = None):
         super().__init__(config=config)
         self.method = method
+        self.rope = rope
         self.active = True
         self.rows: list[ByteCount] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.active:
-            key_states, rk = compress_stream(self.method, key_states, layer_idx, "k")
-            value_states, rv = compress_stream(self.method, value_states, layer_idx, "v")
+            key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
+            value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
             if self.rows is None:
                 self.rows = [{} for _ in rk]
             for r, a, b in zip(self.rows, rk, rv):
@@ -128,12 +181,16 @@ def _continue(model, cache, cont: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prepare_reference(model, passages: list[Passage], ctx: int, n_eval: int, batch: int = 16, progress=None) -> Reference:
+def prepare_reference(
+    model, passages: list[Passage], ctx: int, n_eval: int, batch: int = 16, progress=None
+) -> Reference:
     """Run the uncompressed prefill and continuation of every passage, `batch` at a time."""
     need = ctx + n_eval + 1
     for p in passages:
         if p.ids.numel() < need:
-            raise ValueError(f"passage {p.index} has {p.ids.numel()} tokens, need ctx + n_eval + 1 = {need}")
+            raise ValueError(
+                f"passage {p.index} has {p.ids.numel()} tokens, need ctx + n_eval + 1 = {need}"
+            )
     ref = Reference(ctx, n_eval)
     t0 = time.perf_counter()
     for i in range(0, len(passages), batch):
@@ -142,7 +199,16 @@ def prepare_reference(model, passages: list[Passage], ctx: int, n_eval: int, bat
         cache = DynamicCache(config=model.config)
         _prefill(model, ids[:, :ctx], cache)
         logits = _continue(model, copy.deepcopy(cache), ids[:, ctx : ctx + n_eval])
-        ref.batches.append(Batch(group, ids[:, :ctx], ids[:, ctx : ctx + n_eval], ids[:, ctx + 1 : need], cache, logits))
+        ref.batches.append(
+            Batch(
+                group,
+                ids[:, :ctx],
+                ids[:, ctx : ctx + n_eval],
+                ids[:, ctx + 1 : need],
+                cache,
+                logits,
+            )
+        )
         if progress is not None:
             progress.update(len(group))
     ref.seconds = time.perf_counter() - t0
@@ -154,12 +220,17 @@ def _bf16_bytes(cache) -> int:
     return sum(2 * (layer.keys[0].numel() + layer.values[0].numel()) for layer in cache.layers)
 
 
+def _rope(model, method: Method) -> Rope | None:
+    return Rope(model) if method.options.pre_rope else None
+
+
 def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
+    rope = _rope(model, method)
     cache = copy.deepcopy(batch.cache)
     rows: list[ByteCount] = [{} for _ in batch.passages]
     for li, layer in enumerate(cache.layers):
-        k_hat, rk = compress_stream(method, layer.keys, li, "k")
-        v_hat, rv = compress_stream(method, layer.values, li, "v")
+        k_hat, rk = compress_stream(method, layer.keys, li, "k", rope)
+        v_hat, rv = compress_stream(method, layer.values, li, "v", rope)
         layer.keys, layer.values = k_hat, v_hat
         for r, a, b in zip(rows, rk, rv):
             _add(r, a)
@@ -168,13 +239,15 @@ def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, li
 
 
 def _run_in_forward(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
-    cache = CompressingCache(method, model.config)
+    cache = CompressingCache(method, model.config, _rope(model, method))
     _prefill(model, batch.prefix, cache)
     cache.active = False
     return _continue(model, cache, batch.cont), cache.rows or []
 
 
-def _run_hf(model, method: HFQuantizedCache, batch: Batch) -> tuple[torch.Tensor, list[ByteCount], list[int]]:
+def _run_hf(
+    model, method: HFQuantizedCache, batch: Batch
+) -> tuple[torch.Tensor, list[ByteCount], list[int]]:
     logits, rows, allocated = [], [], []
     for i in range(len(batch.passages)):
         cache = method.make_cache(model.config)
@@ -198,7 +271,9 @@ def _ci(pair: tuple[float, float]) -> list[float | None]:
 
 
 @torch.inference_mode()
-def evaluate_method(model, ref: Reference, method: Method, mode: str = "snapshot", progress=None) -> dict[str, Any]:
+def evaluate_method(
+    model, ref: Reference, method: Method, mode: str = "snapshot", progress=None
+) -> dict[str, Any]:
     """Score one method against the reference; returns its JSON row (see `eval ppl`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kakeyaturbo.eval.methods import COMMON_KEYS, Method, MethodOptions, register, stream_params
 
 __all__ = ["Kakeya", "default_recipe"]
@@ -26,7 +28,9 @@ def _codec():
 
         kt.encode_batch  # noqa: B018 - the compiled core may be missing in a source checkout
     except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"the kakeyaturbo codec is not importable ({exc}); build it with maturin") from exc
+        raise RuntimeError(
+            f"the kakeyaturbo codec is not importable ({exc}); build it with maturin"
+        ) from exc
     return kt
 
 
@@ -37,13 +41,30 @@ def default_recipe():
         from kakeyaturbo.recipes import default_kv_params
     except ImportError:
         p = kt.CodecParams(**FALLBACK_RECIPE)
-        return kt.KVCodecParams(k=p, v=p), {}, "fallback:" + ",".join(f"{k}={v}" for k, v in FALLBACK_RECIPE.items())
+        return (
+            kt.KVCodecParams(k=p, v=p),
+            {},
+            "fallback:" + ",".join(f"{k}={v}" for k, v in FALLBACK_RECIPE.items()),
+        )
     rec = default_kv_params()
-    kv, opts = (rec if isinstance(rec, tuple) else (rec, {}))
-    return kv, dict(opts or {}), "kakeyaturbo.recipes.default_kv_params"
+    kv, opts = rec if isinstance(rec, tuple) else (rec, {})
+    opts = dict(opts or {})
+    source = "kakeyaturbo.recipes.default_kv_params"
+    if "pre_rope" not in opts:
+        # the recipe codes keys pre-RoPE; default_kv_params does not say so, default_recipe does
+        try:
+            from kakeyaturbo.recipes import default_recipe as _recipe
+
+            opts["pre_rope"] = bool(getattr(_recipe(), "pre_rope", False))
+            source += " + default_recipe().pre_rope"
+        except ImportError:
+            pass
+    return kv, opts, source
 
 
-@register("kakeya", "kakeyaturbo codec; bare = the default recipe; keys override CodecParams fields")
+@register(
+    "kakeya", "kakeyaturbo codec; bare = the default recipe; keys override CodecParams fields"
+)
 class Kakeya(Method):
     name = "kakeya"
 
@@ -53,7 +74,9 @@ class Kakeya(Method):
         kv, opts, self.recipe = default_recipe()
         unknown = set(opts) - set(COMMON_KEYS)
         if unknown:
-            raise ValueError(f"kakeya: recipe options {sorted(unknown)} are not harness options {COMMON_KEYS}")
+            raise ValueError(
+                f"kakeya: recipe options {sorted(unknown)} are not harness options {COMMON_KEYS}"
+            )
         self.default_options = MethodOptions.from_params(opts)
         self.codec = {}
         for s in ("k", "v"):
@@ -63,23 +86,30 @@ class Kakeya(Method):
 
     @property
     def bits(self):
-        return (self.codec["k"].bit_width + self.codec["v"].bit_width) / 2
+        def one(p):
+            return (
+                p.bits_per_value
+                if getattr(p, "allocation", "uniform") != "uniform"
+                else p.bit_width
+            )
+
+        return (one(self.codec["k"]) + one(self.codec["v"])) / 2
 
     def block_tokens(self, stream):
         return int(self.codec[stream].block_size)
 
     def resolved_params(self):
-        return {"recipe": self.recipe, "k": self.codec["k"].to_dict(), "v": self.codec["v"].to_dict()}
+        return {
+            "recipe": self.recipe,
+            "k": self.codec["k"].to_dict(),
+            "v": self.codec["v"].to_dict(),
+        }
 
     def compress(self, x, layer, stream):
         b, h, t, d = x.shape
         x3 = x.reshape(b * h, t, d).float().contiguous()
         encs = self.kt.encode_batch(x3, self.codec[stream])
-        x_hat = self.kt.decode_batch(encs)
-        if not hasattr(x_hat, "reshape") or not hasattr(x_hat, "dtype") or not isinstance(x_hat, type(x)):
-            import torch
-
-            x_hat = torch.as_tensor(x_hat)
+        x_hat = torch.as_tensor(self.kt.decode_batch(encs))
         x_hat = x_hat.reshape(b, h, t, d).to(x.dtype)
         rows = [{"encoded": sum(e.nbytes for e in encs[i * h : (i + 1) * h])} for i in range(b)]
         return x_hat, rows

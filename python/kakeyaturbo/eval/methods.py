@@ -12,10 +12,15 @@ These keys are handled by the harness for every method, so they mean the same th
 - `window=N`: the last N tokens of the prefix stay full precision (a residual window);
 - `skip_layers=a+b`: those layers stay full precision;
 - `layers=a+b`: only those layers are compressed (diagnostics; the others stay full precision);
-- `streams=kv|k|v`: which of keys/values are compressed (the other stays full precision).
+- `streams=kv|k|v`: which of keys/values are compressed (the other stays full precision);
+- `passthrough=bf16|exact`: what "full precision" does to the tensors (see below);
+- `pre_rope=true`: keys are handed to the method with the model's rotary embedding undone (at
+  their absolute positions) and rotated back after decoding.
 
-"Full precision" is the bf16 baseline the ratio is measured against: those tensors are rounded to
-bf16 and counted at 2 bytes per element.
+"Full precision" is the bf16 baseline the ratio is measured against: those parts are counted at
+2 bytes per element and, by default, rounded to bf16. `passthrough=exact` leaves them as computed
+instead (same bytes), which the diagnostics use so that one layer's or one stream's error is
+measured alone.
 
 The registry is a plain dict, `METHODS[name] = factory`, where a factory takes the parsed
 parameters (with the shared keys removed) and returns a `Method`. Add a method with
@@ -41,7 +46,7 @@ __all__ = [
     "stream_params",
 ]
 
-COMMON_KEYS = ("sink", "window", "skip_layers", "layers", "streams")
+COMMON_KEYS = ("sink", "window", "skip_layers", "layers", "streams", "passthrough", "pre_rope")
 STREAMS = ("k", "v")
 
 # category -> bytes, for one passage's prefix; a method's total is the sum of its values
@@ -115,9 +120,13 @@ class MethodOptions:
     skip_layers: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None
     streams: str = "kv"
+    passthrough: str = "bf16"
+    pre_rope: bool = False
 
     @classmethod
-    def from_params(cls, params: dict[str, Any], base: MethodOptions | None = None) -> MethodOptions:
+    def from_params(
+        cls, params: dict[str, Any], base: MethodOptions | None = None
+    ) -> MethodOptions:
         base = base or cls()
         kw: dict[str, Any] = {}
         if "sink" in params:
@@ -127,10 +136,18 @@ class MethodOptions:
         if "skip_layers" in params:
             kw["skip_layers"] = _layer_list(params["skip_layers"])
         if "layers" in params:
-            kw["layers"] = None if params["layers"] in (None, "all") else _layer_list(params["layers"])
+            kw["layers"] = (
+                None if params["layers"] in (None, "all") else _layer_list(params["layers"])
+            )
         if "streams" in params:
             kw["streams"] = str(params["streams"]).lower()
+        if "pre_rope" in params:
+            kw["pre_rope"] = bool(params["pre_rope"])
+        if "passthrough" in params:
+            kw["passthrough"] = str(params["passthrough"]).lower()
         opts = replace(base, **kw)
+        if opts.passthrough not in ("bf16", "exact"):
+            raise ValueError(f"passthrough must be bf16 or exact, not {opts.passthrough!r}")
         if opts.streams not in ("kv", "k", "v"):
             raise ValueError(f"streams must be kv, k or v, not {opts.streams!r}")
         if opts.sink < 0 or opts.window < 0:
@@ -149,6 +166,8 @@ class MethodOptions:
             "skip_layers": list(self.skip_layers),
             "layers": None if self.layers is None else list(self.layers),
             "streams": self.streams,
+            "passthrough": self.passthrough,
+            "pre_rope": self.pre_rope,
         }
 
     def is_default(self) -> bool:
@@ -187,7 +206,9 @@ class Method:
         """Everything that determines the method's output, JSON-serialisable."""
         return dict(self.params)
 
-    def compress(self, x: torch.Tensor, layer: int, stream: str) -> tuple[torch.Tensor, list[ByteCount]]:
+    def compress(
+        self, x: torch.Tensor, layer: int, stream: str
+    ) -> tuple[torch.Tensor, list[ByteCount]]:
         raise NotImplementedError
 
     def describe(self) -> dict[str, Any]:

@@ -61,7 +61,9 @@ class Summary:
     tokens: int
 
 
-def passage_scores(logits_ref: torch.Tensor, logits_alt: torch.Tensor, targets: torch.Tensor) -> list[PassageScores]:
+def passage_scores(
+    logits_ref: torch.Tensor, logits_alt: torch.Tensor, targets: torch.Tensor
+) -> list[PassageScores]:
     """Scores of each row of a batch: logits [B, T, V] (any float dtype), targets [B, T]."""
     lp_ref = torch.log_softmax(logits_ref.double(), dim=-1)
     lp_alt = torch.log_softmax(logits_alt.double(), dim=-1)
@@ -73,8 +75,11 @@ def passage_scores(logits_ref: torch.Tensor, logits_alt: torch.Tensor, targets: 
     top1 = (lp_ref.argmax(-1) == lp_alt.argmax(-1)).double()
     return [
         PassageScores(
-            float(nll_ref[b].mean()), float(nll_alt[b].mean()), float(kl[b].mean()),
-            float(top1[b].mean()), int(targets.shape[1]),
+            float(nll_ref[b].mean()),
+            float(nll_alt[b].mean()),
+            float(kl[b].mean()),
+            float(top1[b].mean()),
+            int(targets.shape[1]),
         )
         for b in range(targets.shape[0])
     ]

@@ -67,37 +67,62 @@ def environment() -> dict[str, Any]:
     }
 
 
-def load_setup(model_dir: str, text: str, ctx: int, n_eval: int, passages: int, batch: int = 16,
-               progress: bool = True) -> Setup:
+def load_setup(
+    model_dir: str,
+    text: str,
+    ctx: int,
+    n_eval: int,
+    passages: int,
+    batch: int = 16,
+    progress: bool = True,
+) -> Setup:
     torch.manual_seed(0)
     model, tokenizer = load_model(model_dir)
     ids = tokenize_text(tokenizer, read_text(text))
     chunks = cut_passages(ids, passages, ctx + n_eval + 1)
-    with tqdm(total=len(chunks), desc="reference", unit="passage", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=len(chunks), desc="reference", unit="passage", disable=not progress, file=sys.stderr
+    ) as bar:
         ref = prepare_reference(model, chunks, ctx, n_eval, batch=batch, progress=bar)
     return Setup(model, str(model_dir), str(text), ctx, n_eval, ref)
 
 
-def run_methods(setup: Setup, specs: list[str], mode: str = "snapshot", extra_options: dict[str, Any] | None = None,
-                progress: bool = True, label: str = "methods") -> list[dict[str, Any]]:
+def run_methods(
+    setup: Setup,
+    specs: list[str],
+    mode: str = "snapshot",
+    extra_options: dict[str, Any] | None = None,
+    progress: bool = True,
+    label: str = "methods",
+) -> list[dict[str, Any]]:
     """Score each spec; a method that cannot run gives a row with `skipped` or `error`."""
     rows = []
     n = len(setup.reference.passages)
-    with tqdm(total=n * len(specs), desc=label, unit="passage", disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=n * len(specs), desc=label, unit="passage", disable=not progress, file=sys.stderr
+    ) as bar:
         for spec in specs:
             bar.set_postfix_str(spec)
             start = bar.n
             try:
                 method = build_method(spec, extra_options)
-                rows.append(evaluate_method(setup.model, setup.reference, method, mode, progress=bar))
+                rows.append(
+                    evaluate_method(setup.model, setup.reference, method, mode, progress=bar)
+                )
             except Exception as exc:  # noqa: BLE001 - one failing method must not lose the sweep
                 rows.append({"method": spec, "mode": mode, "error": f"{type(exc).__name__}: {exc}"})
                 bar.update(start + n - bar.n)
     return rows
 
 
-def ppl_result(setup: Setup, specs: list[str], mode: str, streams: str | None, command: str,
-               progress: bool = True) -> dict[str, Any]:
+def ppl_result(
+    setup: Setup,
+    specs: list[str],
+    mode: str,
+    streams: str | None,
+    command: str,
+    progress: bool = True,
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     extra = {"streams": streams} if streams else None
     rows = run_methods(setup, specs, mode, extra, progress)

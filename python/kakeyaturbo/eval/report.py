@@ -44,8 +44,11 @@ def _cmd(obj: dict[str, Any]) -> str:
 
 def _env(obj: dict[str, Any]) -> str:
     e = obj.get("environment") or {}
-    return (f"_{e.get('created', '?')}; kakeyaturbo {e.get('kakeyaturbo')}, torch {e.get('torch')}, transformers "
-            f"{e.get('transformers')}, {e.get('threads')} threads; {obj.get('seconds', '?')} s._\n")
+    return (
+        f"_{e.get('created', '?')}; kakeyaturbo {e.get('kakeyaturbo')}, torch {e.get('torch')}, "
+        f"transformers {e.get('transformers')}, {e.get('threads')} threads; "
+        f"{obj.get('seconds', '?')} s._\n"
+    )
 
 
 def _quality_table(rows: list[dict[str, Any]], first: str = "method", extra=None) -> list[str]:
@@ -54,8 +57,10 @@ def _quality_table(rows: list[dict[str, Any]], first: str = "method", extra=None
     for r in rows:
         name = extra(r) if extra else f"`{r['method']}`"
         if r.get("skipped") or r.get("error"):
-            out.append(f"| {name} | - | - | {'skipped' if r.get('skipped') else 'error'}: "
-                       f"{r.get('skipped') or r.get('error')} | | | |")
+            out.append(
+                f"| {name} | - | - | {'skipped' if r.get('skipped') else 'error'}: "
+                f"{r.get('skipped') or r.get('error')} | | | |"
+            )
             continue
         out.append(
             f"| {name} | {_ratio(r.get('ratio'))} | {_bytes(r.get('stored_bytes'))} | "
@@ -66,17 +71,30 @@ def _quality_table(rows: list[dict[str, Any]], first: str = "method", extra=None
 
 
 def _setup(obj: dict[str, Any]) -> str:
-    return (f"Model `{obj.get('model')}` ({obj.get('layers')} layers, {obj.get('kv_heads')} KV heads, head_dim "
-            f"{obj.get('head_dim')}), text `{obj.get('text')}`: {obj.get('passages')} passages of ctx "
-            f"{obj.get('ctx')} + {obj.get('n_eval')} scored tokens, mode `{obj.get('mode')}`. "
-            f"Reference perplexity {obj.get('ppl_ref') or 0:.2f}.\n")
+    return (
+        f"Model `{obj.get('model')}` ({obj.get('layers')} layers, {obj.get('kv_heads')} KV heads, "
+        f"head_dim {obj.get('head_dim')}), text `{obj.get('text')}`: "
+        f"{obj.get('passages')} passages of ctx {obj.get('ctx')} + "
+        f"{obj.get('n_eval')} scored tokens, "
+        f"mode `{obj.get('mode')}`. "
+        f"Reference perplexity {obj.get('ppl_ref') or 0:.2f}.\n"
+    )
 
 
 def _sweep(obj: dict[str, Any], name: str) -> list[str]:
-    out = [f"## Pareto table: compression ratio vs quality (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
-    out.append("| method | bits | ratio | stored bytes/prefix | delta-ppl [95% CI] | KL | top-1 | verdict | "
-               "front (dppl) | front (KL) |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---|:---:|:---:|")
+    out = [
+        f"## Pareto table: compression ratio vs quality (`{name}`)",
+        "",
+        _cmd(obj),
+        _setup(obj),
+        _env(obj),
+        "",
+    ]
+    out.append(
+        "| method | bits | ratio | bits/value | stored bytes/prefix | delta-ppl [95% CI] | KL "
+        "| top-1 | verdict | front (dppl) | front (KL) |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---|:---:|:---:|")
     notes = []
     for e in obj["table"]:
         if e.get("note"):
@@ -84,11 +102,13 @@ def _sweep(obj: dict[str, Any], name: str) -> list[str]:
             continue
         bits = "-" if e.get("bits") is None else f"{e['bits']:g}"
         out.append(
-            f"| `{e['method']}` | {bits} | {_ratio(e['ratio'])} | {_bytes(e['stored_bytes'])} | "
+            f"| `{e['method']}` | {bits} | {_ratio(e['ratio'])} | {16 / e['ratio']:.2f} | "
+            f"{_bytes(e['stored_bytes'])} | "
             f"{_pct(e['delta_ppl'])}{_ci(e.get('delta_ppl_ci'))} | {_sci(e['kl'])} | "
-            f"{_pct(e['top1'], 1, sign=False)} | {e['verdict']} | {'**yes**' if e['pareto'] else ''} | "
-            f"{'**yes**' if e['pareto_kl'] else ''} |"
+            f"{_pct(e['top1'], 1, sign=False)} | {e['verdict']} | "
+            f"{'**yes**' if e['pareto'] else ''} | {'**yes**' if e['pareto_kl'] else ''} |"
         )
+    out += ["", *_sweep_summary(obj)]
     if obj.get("plot"):
         out += ["", f"![Pareto plot]({Path(obj['plot']).name})"]
     if notes:
@@ -96,38 +116,116 @@ def _sweep(obj: dict[str, Any], name: str) -> list[str]:
     return out + [""]
 
 
+def _sweep_summary(obj: dict[str, Any]) -> list[str]:
+    """Plain statements read off the table: best ratio per verdict level, kakeya against peers."""
+    rows = [e for e in obj["table"] if not e.get("note")]
+    out = []
+    for level, ok in (("ACCEPT", ("ACCEPT",)), ("MARGINAL or better", ("ACCEPT", "MARGINAL"))):
+        pick = [e for e in rows if e["verdict"] in ok]
+        mine = [e for e in pick if e.get("family") == "kakeya"]
+        peers = [e for e in pick if e.get("family") != "kakeya"]
+        best = max(peers, key=lambda e: e["ratio"], default=None)
+        line = f"- Highest ratio rated {level}: "
+        line += f"peers `{best['method']}` {_ratio(best['ratio'])}" if best else "peers: none"
+        own = max(mine, key=lambda e: e["ratio"], default=None)
+        line += (
+            f"; kakeyaturbo `{own['method']}` {_ratio(own['ratio'])}."
+            if own
+            else "; kakeyaturbo: none."
+        )
+        out.append(line)
+    recipes = sorted(
+        {
+            str((r.get("params") or {}).get("recipe"))
+            for r in obj.get("methods", [])
+            if r.get("family") == "kakeya" and not r.get("error")
+        }
+    )
+    if recipes:
+        out.append(
+            f"- `kakeya` rows start from the recipe: {', '.join(f'`{x}`' for x in recipes)}."
+        )
+    return out
+
+
 def _layers(obj: dict[str, Any], name: str) -> list[str]:
-    out = [f"## Diagnostics for `{obj['method']}` (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
+    out = [
+        f"## Diagnostics for `{obj['method']}` (`{name}`)",
+        "",
+        _cmd(obj),
+        _setup(obj),
+        _env(obj),
+        "",
+    ]
 
     def opt(r, key):
         o = r.get("options") or {}
         return o.get(key)
 
-    out += ["Per-layer sensitivity (codec on one layer, the rest bf16; snapshot):", ""]
+    out += ["Per-layer sensitivity (codec on one layer, the rest as computed; snapshot):", ""]
     out += _quality_table(obj["per_layer"], "layer", lambda r: str((opt(r, "layers") or ["?"])[0]))
     out += ["", "Depth compounding (codec on the first k layers; in-forward):", ""]
-    out += _quality_table(obj["depth"], "first k layers", lambda r: str(len(opt(r, "layers") or [])))
-    out += ["", "K-only / V-only attribution:", ""]
-    out += _quality_table(obj["streams"], "mode / streams", lambda r: f"{r.get('mode')} / {opt(r, 'streams')}")
+    out += _quality_table(
+        obj["depth"], "first k layers", lambda r: str(len(opt(r, "layers") or []))
+    )
+    out += ["", "K-only / V-only attribution (the other stream as computed):", ""]
+    out += _quality_table(
+        obj["streams"], "mode / streams", lambda r: f"{r.get('mode')} / {opt(r, 'streams')}"
+    )
     return out + [""]
 
 
 def _bytes_section(obj: dict[str, Any], name: str) -> list[str]:
-    out = [f"## Bytes per layer and long-context projection (`{name}`)", "", _cmd(obj), _env(obj), ""]
-    out.append(f"Layer types: {', '.join(sorted(set(obj['layer_types'])))}; unit costs fitted on prefixes of at most "
-               f"{obj['fit_max']} tokens, checked against longer measured prefixes.")
+    out = [
+        f"## Bytes per layer and long-context projection (`{name}`)",
+        "",
+        _cmd(obj),
+        _env(obj),
+        "",
+    ]
+    out.append(
+        f"Layer types: {', '.join(sorted(set(obj['layer_types'])))}; unit costs fitted on "
+        f"prefixes of at most {obj['fit_max']} tokens, checked against longer measured prefixes."
+    )
     out.append("")
     ctxs = [str(c) for c in obj["contexts"]]
-    head = "| method | " + " | ".join(f"ratio @{c}" for c in ctxs) + " | " + " | ".join(
-        f"ratio @{t // 1024}k (proj.)" for t in obj["targets"]) + " | projection error |"
+    head = (
+        "| method | "
+        + " | ".join(f"ratio @{c}" for c in ctxs)
+        + " | "
+        + " | ".join(f"ratio @{t // 1024}k (proj.)" for t in obj["targets"])
+        + " | projection error |"
+    )
     out += [head, "|---|" + "---:|" * (len(ctxs) + len(obj["targets"]) + 1)]
     for m in obj["methods"]:
         if m.get("skipped") or m.get("error"):
             out.append(f"| `{m['method']}` | {m.get('skipped') or m.get('error')} |")
             continue
         errs = ", ".join(f"{v['rel_error']:+.4%} @{v['tokens']}" for v in m["validation"]) or "-"
-        out.append(f"| `{m['method']}` | " + " | ".join(_ratio(m["totals"][c]["ratio"]) for c in ctxs) + " | "
-                   + " | ".join(_ratio(p["ratio"]) for p in m["projection"]) + f" | {errs} |")
+        out.append(
+            f"| `{m['method']}` | "
+            + " | ".join(_ratio(m["totals"][c]["ratio"]) for c in ctxs)
+            + " | "
+            + " | ".join(_ratio(p["ratio"]) for p in m["projection"])
+            + f" | {errs} |"
+        )
+    if obj["targets"]:
+        t = obj["targets"][-1]
+        out += ["", f"Projected stored bytes at {t:,} tokens by layer type (MiB):", ""]
+        out += [
+            "| method | full attention | sliding | skipped (bf16) | total | bf16 |",
+            "|---|" + "---:|" * 5,
+        ]
+        for m in obj["methods"]:
+            if m.get("skipped") or m.get("error"):
+                continue
+            p = m["projection"][-1]
+            cell = [p["by_type"].get(k) for k in ("full", "sliding", "skipped")]
+            out.append(
+                f"| `{m['method']}` | "
+                + " | ".join("-" if c is None else f"{c / 2**20:,.1f}" for c in cell)
+                + f" | {p['stored_bytes'] / 2**20:,.1f} | {p['bf16_bytes'] / 2**20:,.1f} |"
+            )
     out += ["", "Stored bytes per layer (K + V) at the longest measured context:", ""]
     last = ctxs[-1]
     ok = [m for m in obj["methods"] if not (m.get("skipped") or m.get("error"))]
@@ -136,8 +234,15 @@ def _bytes_section(obj: dict[str, Any], name: str) -> list[str]:
         out.append("|---:|---|" + "---:|" * (len(ok) + 1))
         for i in range(obj["layers"]):
             rows = [m["per_layer"][last][i] for m in ok]
-            out.append(f"| {i} | {rows[0]['type']} | " + " | ".join(_bytes(r["k"] + r["v"]) for r in rows)
-                       + f" | {_bytes(rows[0]['bf16'])} |")
+            kind = obj["layer_types"][i].replace("_attention", "")
+            out.append(
+                f"| {i} | {kind} | "
+                + " | ".join(
+                    _bytes(r["k"] + r["v"]) + (" (skipped)" if r["type"] == "skipped" else "")
+                    for r in rows
+                )
+                + f" | {_bytes(rows[0]['bf16'])} |"
+            )
     return out + [""]
 
 
@@ -168,8 +273,10 @@ full-precision sinks, windows and skipped layers), and ratio = bf16 bytes / stor
 Peers are reimplementations (see `python/kakeyaturbo/eval/baselines.py`), except `hf-*`,
 transformers' own `QuantizedCache` run as it ships; all are counted by the same rule: codes
 bit-packed, scales/zero-points/norms fp16 (fp8 scales fp32), seeded rotations and fixed
-codebooks free. For `hf-*`, `allocated_bytes` in the JSON is what the backend's tensors
-actually occupy in memory.
+codebooks free. `bits` is a method's nominal code width; bits/value = 16 / ratio is what it
+really stores per cached number, side information included. For `hf-*`, `allocated_bytes` in
+the JSON is what the backend's tensors actually occupy in memory; `hf-fp8` has no residual
+window, so as shipped it also quantizes the scored continuation tokens.
 
 kt-ref-a is a weak model (flat predictions): a KV error moves perplexity little (in either
 direction) and flips top-1 sooner, so read KL and top-1 alongside delta-ppl.
@@ -202,7 +309,9 @@ def render(results: Path, all_command: str | None = None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(results: str | Path, out: str | Path | None = None, all_command: str | None = None) -> Path:
+def write_report(
+    results: str | Path, out: str | Path | None = None, all_command: str | None = None
+) -> Path:
     results = Path(results)
     out = Path(out) if out else results / "README.md"
     out.write_text(render(results, all_command))

@@ -16,11 +16,14 @@ DEFAULT_FAMILIES = [
     "bf16",
     "fp8",
     "hf-fp8",
-    "kakeya:bit_width={bits}",
+    "kakeya",
+    "kakeya:bits_per_value={bits}",
     "kivi:bits={bits}",
     "turboquant:bits={bits}",
     "turboquant:bits={bits},k_qjl=1",
     "hf-hqq:bits={bits}",
+    # hqq's 3-bit packing only works on axis 0 (see baselines.HFHqq): the 3-bit point of that peer
+    "hf-hqq:bits=3,axis_key=0,axis_value=0",
     "hf-quanto:bits={bits}",
 ]
 DEFAULT_BITS = [2, 3, 4]
@@ -50,7 +53,10 @@ def pareto_flags(rows: list[dict[str, Any]], quality: str = "delta_ppl") -> list
             flags.append(False)
             continue
         dominated = any(
-            _ok(o) and o is not r and o["ratio"] >= r["ratio"] and q(o) <= q(r)
+            _ok(o)
+            and o is not r
+            and o["ratio"] >= r["ratio"]
+            and q(o) <= q(r)
             and (o["ratio"] > r["ratio"] or q(o) < q(r))
             for o in rows
         )
@@ -90,7 +96,11 @@ def _family_key(row: dict[str, Any], families: list[str]) -> str:
     for fam in families:
         if "{bits}" in fam:
             head, _, tail = fam.partition("{bits}")
-            if spec.startswith(head) and spec.endswith(tail) and spec[len(head) : len(spec) - len(tail)].isdigit():
+            if (
+                spec.startswith(head)
+                and spec.endswith(tail)
+                and spec[len(head) : len(spec) - len(tail)].isdigit()
+            ):
                 return fam.replace("{bits}", "b")
         elif spec == fam:
             return fam
@@ -113,9 +123,14 @@ def plot_pareto(rows: list[dict[str, Any]], families: list[str], path: str, titl
     for i, (fam, rs) in enumerate(groups.items()):
         rs = sorted(rs, key=lambda r: r["ratio"])
         xs = [r["ratio"] for r in rs]
-        style = {"marker": markers[i % len(markers)], "label": fam, "linewidth": 1.2, "markersize": 6}
+        style = {
+            "marker": markers[i % len(markers)],
+            "label": fam,
+            "linewidth": 1.2,
+            "markersize": 6,
+        }
         if fam.startswith("kakeya"):
-            style.update(linewidth=2.4, markersize=8, color="crimson", zorder=5)
+            style.update(linewidth=2.6, markersize=9, color="black", zorder=5)
         dp = [100 * r["delta_ppl"] for r in rs]
         ci = [r.get("delta_ppl_ci") or [None, None] for r in rs]
         lo = [d - 100 * c[0] if c[0] is not None else 0 for d, c in zip(dp, ci)]
@@ -127,7 +142,13 @@ def plot_pareto(rows: list[dict[str, Any]], families: list[str], path: str, titl
         axes[2].plot(xs, [100 * r["top1"] for r in rs], **style)
         for r, x in zip(rs, xs):
             if r.get("bits") is not None and r["family"] not in ("bf16",):
-                axes[1].annotate(f"{r['bits']:g}", (x, r["kl"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+                axes[1].annotate(
+                    f"{r['bits']:g}",
+                    (x, r["kl"]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
     axes[0].axhline(0, color="grey", linewidth=0.8)
     for y in (1, -1):
         axes[0].axhline(y, color="grey", linewidth=0.6, linestyle=":")

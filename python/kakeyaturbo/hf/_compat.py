@@ -23,7 +23,8 @@ def _installed_version() -> Version:
         return Version(importlib.metadata.version("transformers"))
     except importlib.metadata.PackageNotFoundError as exc:  # pragma: no cover - import guard
         raise ImportError(
-            "kakeyaturbo.hf needs transformers; install it with `pip install 'transformers>=5.18,<6'`"
+            "kakeyaturbo.hf needs transformers; install it with "
+            "`pip install 'transformers>=5.18,<6'`"
         ) from exc
 
 

@@ -13,20 +13,29 @@ forwards whose ``past_key_values`` is this cache, holds the cache weakly and goe
 
 from __future__ import annotations
 
+import copy
 import inspect
+import os
 import warnings
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
-import kakeyaturbo as kt
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
+
+import kakeyaturbo as kt
 
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .budget import DecodedBudget
 from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
-from .recipe import DEFAULT_RESIDUAL_LENGTH, DEFAULT_SINK_TOKENS, resolve_kv_params
+from .recipe import (
+    DEFAULT_RESIDUAL_LENGTH,
+    DEFAULT_SINK_TOKENS,
+    default_pre_rope,
+    resolve_kv_params,
+)
 from .rope import rotary_spec_from_config
 from .transforms import KeyTransform, check_key_transform
 
@@ -62,8 +71,13 @@ class KakeyaCache(Cache):
         skip_layers: full-attention layer indices kept full precision.
         key_transform: invertible map applied to keys before encoding and undone after decoding
             (see :class:`~kakeyaturbo.hf.transforms.KeyTransform`).
+        value_transform: the same kind of invertible map, for values.
         pre_rope: store keys pre-RoPE (unrotate before encoding, rotate back after decoding).
             Needs the positions of each forward: build the cache with :meth:`from_model`.
+            None (default): the recipe's choice, and always True with a calibration.
+        calibration: a calibration bundle (folder or :class:`~kakeyaturbo.calibration.
+            Calibration`): keys are coded pre-RoPE in its query-aware frame and values in their
+            PCA frame (it sets both transforms; giving either as well is an error).
         decoded_cache_bytes: explicit budget for keeping decoded blocks between steps (speed for
             memory; counted in :meth:`memory_report`). 0 (default) keeps none.
 
@@ -82,24 +96,54 @@ class KakeyaCache(Cache):
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         skip_layers: Iterable[int] | None = None,
         key_transform: KeyTransform | None = None,
-        pre_rope: bool = False,
+        value_transform: KeyTransform | None = None,
+        pre_rope: bool | None = None,
         decoded_cache_bytes: int = 0,
+        calibration: Any = None,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
-            raise TypeError(f"config must be a transformers PretrainedConfig, got {type(config).__name__}")
+            raise TypeError(
+                f"config must be a transformers PretrainedConfig, got {type(config).__name__}"
+            )
         self.k_params, self.v_params = resolve_kv_params(k_params, v_params)
         self.residual_length = _non_negative_int("residual_length", residual_length)
         self.sink_tokens = _non_negative_int("sink_tokens", sink_tokens)
+        self.calibration = _load_calibration(calibration, config)
+        if self.calibration is not None:
+            if key_transform is not None or value_transform is not None:
+                raise ValueError("calibration sets the key and value transforms: give one or the other")
+            if pre_rope is False:
+                raise ValueError("a calibration codes keys pre-RoPE: pre_rope=False contradicts it")
+            from ..calibration import KVTransforms
+
+            transforms = KVTransforms(self.calibration)
+            key_transform, value_transform = transforms.key_transform(), transforms.value_transform()
+            pre_rope = True
+        if pre_rope is None:
+            # The recipe's choice where this model's RoPE can be inverted exactly.
+            pre_rope = default_pre_rope() and _rope_invertible(config)
         if not isinstance(pre_rope, bool):
             raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
         self.pre_rope = pre_rope
         self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
-        self._ctx = CacheContext(budget=DecodedBudget(decoded_cache_bytes), key_transform=check_key_transform(key_transform))
+        self._ctx = CacheContext(
+            budget=DecodedBudget(decoded_cache_bytes),
+            key_transform=check_key_transform(key_transform),
+            value_transform=check_key_transform(value_transform),
+            # Frame-free codec parameters (the recipe) and no frame given: fit our own.
+            self_frames=(key_transform is None and value_transform is None
+                         and self.k_params.pca_method == "none"
+                         and self.k_params.allocation == "waterfill"),
+        )
         cfg = text_config(config)
-        layers = [self._make_layer(spec, cfg) for spec in self.layer_plan[: cache_layer_count(self.layer_plan)]]
+        layers = [
+            self._make_layer(spec, cfg)
+            for spec in self.layer_plan[: cache_layer_count(self.layer_plan)]
+        ]
         if not any(spec.kind is LayerKind.COMPRESSED for spec in self.layer_plan):
             warnings.warn(
-                "KakeyaCache: this model has no compressible full-attention layer (all are sliding, chunked, "
+                "KakeyaCache: this model has no compressible full-attention layer (all are "
+                "sliding, chunked, "
                 "shared or skipped); the cache holds everything at full precision",
                 UserWarning,
                 stacklevel=2,
@@ -111,13 +155,21 @@ class KakeyaCache(Cache):
         if spec.kind is LayerKind.COMPRESSED:
             rope = rotary_spec_from_config(cfg, spec.layer_type) if self.pre_rope else None
             return KakeyaLayer(
-                spec.index, self.k_params, self.v_params, self.residual_length, self.sink_tokens, self._ctx, rope
+                spec.index,
+                self.k_params,
+                self.v_params,
+                self.residual_length,
+                self.sink_tokens,
+                self._ctx,
+                rope,
             )
         if spec.kind is LayerKind.FULL_PRECISION:
             return DynamicLayer()
         if spec.kind in (LayerKind.SLIDING, LayerKind.CHUNKED):
+            assert spec.window is not None  # build_layer_plan sets it for bounded layers
             return DynamicSlidingWindowLayer(sliding_window=spec.window)
-        return DummyLayer()  # SHARED; only reached on transformers >= 5.23 (see cache_layer_count)
+        assert DummyLayer is not None  # SHARED only reaches here on >= 5.23 (cache_layer_count)
+        return DummyLayer()
 
     @classmethod
     def from_model(
@@ -130,8 +182,10 @@ class KakeyaCache(Cache):
         sink_tokens: int = DEFAULT_SINK_TOKENS,
         skip_layers: Iterable[int] | None = None,
         key_transform: KeyTransform | None = None,
-        pre_rope: bool = False,
+        value_transform: KeyTransform | None = None,
+        pre_rope: bool | None = None,
         decoded_cache_bytes: int = 0,
+        calibration: Any = None,
     ) -> KakeyaCache:
         """Build a cache for ``model`` and hook its decoder (positions, padding); with no
         parameters, the default recipe is used."""
@@ -145,8 +199,10 @@ class KakeyaCache(Cache):
             sink_tokens=sink_tokens,
             skip_layers=skip_layers,
             key_transform=key_transform,
+            value_transform=value_transform,
             pre_rope=pre_rope,
             decoded_cache_bytes=decoded_cache_bytes,
+            calibration=_load_calibration(calibration, model),
         )
         cache.attach(model)
         return cache
@@ -185,6 +241,16 @@ class KakeyaCache(Cache):
         for handle in self._hook_handles:
             weakref.finalize(self, handle.remove)
 
+    def __deepcopy__(self, memo):
+        # A copy (the prompt-reuse pattern deep-copies caches) shares nothing with the original
+        # and is not hooked: its handles would remove the original's hooks. Call attach(model)
+        # on the copy when it needs positions (pre-RoPE) or padding-aware sinks.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, [] if name == "_hook_handles" else copy.deepcopy(value, memo))
+        return new
+
     def detach(self) -> None:
         """Remove the model hooks installed by :meth:`attach`."""
         for handle in getattr(self, "_hook_handles", []):
@@ -210,7 +276,11 @@ class KakeyaCache(Cache):
         """
         layers = []
         for spec, layer in zip(self.layer_plan, self.layers):
-            rep = layer.memory_report() if isinstance(layer, KakeyaLayer) else _plain_layer_report(layer, spec)
+            rep = (
+                layer.memory_report()
+                if isinstance(layer, KakeyaLayer)
+                else _plain_layer_report(layer, spec)
+            )
             rep["kind"] = spec.kind.value
             rep["layer"] = spec.index
             layers.append(rep)
@@ -224,7 +294,10 @@ class KakeyaCache(Cache):
 
     def __repr__(self) -> str:
         kinds = [spec.kind.value for spec in self.layer_plan]
-        return f"KakeyaCache(layers={kinds}, residual_length={self.residual_length}, sink_tokens={self.sink_tokens})"
+        return (
+            f"KakeyaCache(layers={kinds}, residual_length={self.residual_length}, "
+            f"sink_tokens={self.sink_tokens})"
+        )
 
 
 def _plain_layer_report(layer, spec: LayerSpec) -> dict:
@@ -239,9 +312,34 @@ def _plain_layer_report(layer, spec: LayerSpec) -> dict:
     )
     held = 0
     bf16 = dense = 0
-    if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+    if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.dim() == 4:
         held = keys.shape[-2]
         per_token = keys.shape[0] * keys.shape[1] * (keys.shape[-1] + values.shape[-1])
         dense, bf16 = per_token * held * keys.element_size(), per_token * held * 2
     tokens = layer.get_seq_length() if hasattr(layer, "get_seq_length") else held
     return _report(spec.kind.value, tokens, 0, 0, full, aux, 0, bf16, dense)
+
+
+def _load_calibration(calibration: Any, model_or_config: Any):
+    """A Calibration from a bundle folder (checked against the model) or as given."""
+    if calibration is None:
+        return None
+    from ..calibration import Calibration
+
+    if isinstance(calibration, Calibration):
+        calibration.check_model(model_or_config)
+        return calibration
+    if isinstance(calibration, (str, os.PathLike)):
+        return Calibration.load(calibration, model_or_config)
+    raise TypeError(
+        f"calibration must be a bundle folder or a Calibration, got {type(calibration).__name__}")
+
+
+def _rope_invertible(config: PretrainedConfig) -> bool:
+    try:
+        for spec in build_layer_plan(config, None):
+            if spec.kind is LayerKind.COMPRESSED:
+                rotary_spec_from_config(text_config(config), spec.layer_type)
+    except (NotImplementedError, ValueError):
+        return False
+    return True

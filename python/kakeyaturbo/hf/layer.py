@@ -15,17 +15,23 @@ block mean before encoding so their outlier norms do not spend the block's PCA a
 Decoding: every step returns the whole ``[B, H, L, D]`` keys and values (transformers' attention
 needs them). Blocks are decoded on demand; a decoded block is kept only while it fits the
 cache's explicit ``decoded_cache_bytes`` budget (default 0: nothing decoded is kept, every step
-decodes every block in one batched call). Tokens that arrive in a forward are attended
-at full precision in that forward, before they are compressed.
+decodes every block in one batched call). When the budget can hold the whole layer, the layer
+keeps one contiguous decoded buffer instead: each block is decoded once (at the step after it
+was compressed), new tokens are written in place, and ``update`` returns views of it, so a step
+costs no decode and no O(L) copy. Otherwise single decoded blocks are kept while they fit.
+Tokens that arrive in a forward are attended at full precision in that forward, before they are
+compressed; every budget setting returns the same values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-import kakeyaturbo as kt
 import numpy as np
 import torch
+
+import kakeyaturbo as kt
 
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
@@ -47,17 +53,21 @@ class CacheContext:
 
     budget: DecodedBudget
     key_transform: KeyTransform | None = None
+    value_transform: KeyTransform | None = None  # same protocol, applied to values
+    # Fit per-(layer, head) PCA frames on each layer's first flushed tokens and code in them
+    # (the recipe's frame when no calibration bundle gives one); counted as aux bytes.
+    self_frames: bool = False
     step: StepInputs = field(default_factory=StepInputs)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: blocks are compared by `is`, never by content
 class _Block:
     """One compressed block: ``block_size`` tokens of every (batch row, kv-head) stream."""
 
     k: list  # B*H kt.EncodedLayer, row-major over (batch row, kv-head)
     v: list
-    positions: torch.Tensor | None  # [B, block_size] int32 RoPE positions (pre-RoPE mode only)
-    decoded: tuple[torch.Tensor, torch.Tensor] | None = None  # held under the decoded budget
+    positions: Any  # [B, block_size] int32 RoPE positions (pre-RoPE mode only), else None
+    decoded: Any = None  # (K, V) [B, H, bs, D] held under the decoded budget, or None
 
 
 def _storage_bytes(t: torch.Tensor | None) -> int:
@@ -75,6 +85,16 @@ def _from_streams(y: torch.Tensor, n: int, b: int, h: int) -> torch.Tensor:
     """Inverse of :func:`_to_streams`."""
     bs, d = y.shape[-2:]
     return y.reshape(n, b, h, bs, d).permute(1, 2, 0, 3, 4).reshape(b, h, n * bs, d)
+
+
+def _fit_frames(x: torch.Tensor) -> torch.Tensor:
+    """Per-head PCA frames [H, D, D] (columns by descending variance) of x [B, H, T, D]."""
+    b, h, t, d = x.shape
+    xs = x.double().permute(1, 0, 2, 3).reshape(h, b * t, d)
+    xs = xs - xs.mean(1, keepdim=True)
+    cov = xs.transpose(1, 2) @ xs / max(b * t, 1)
+    _, vecs = torch.linalg.eigh(cov)  # ascending
+    return vecs.flip(-1).float().contiguous()
 
 
 def _decode(encs: list) -> torch.Tensor:
@@ -121,20 +141,30 @@ class KakeyaLayer(CacheLayerMixin):
     # ---- state ---------------------------------------------------------------------------------
 
     def _clear(self) -> None:
+        # Tensors below are None until the first update (typed Any: set by lazy_initialization).
         self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
         self.is_initialized = False
-        self._hot_k = self._hot_v = None  # [B, H, T_hot, D] model dtype
-        self._hot_pos = None  # [B, T_hot] int32, pre-RoPE mode only
+        self._hot_k: Any = None  # [B, H, T_hot, D] model dtype
+        self._hot_v: Any = None
+        self._hot_pos: Any = None  # [B, T_hot] int32, pre-RoPE mode only
         self._blocks: list[_Block] = []
-        self._sink_idx = None  # [B, S] long: cache slot of each row's s-th sink token
-        self._sink_k = self._sink_v = None  # [B, S, H, D] exact sink keys/values
+        self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
+        self._sink_k: Any = None  # [B, S, H, D] exact sink keys/values
+        self._sink_v: Any = None
         self._len = 0
         self._rows = self._heads = 0
+        # Contiguous decoded buffer ([B, H, capacity, D]), held under the decoded budget.
+        self._buf_k: Any = None
+        self._buf_v: Any = None
+        self._buf_pending: list[_Block] = []  # blocks compressed but not yet decoded into it
+        self._buf_refused = False  # the budget could not hold it; retried after crop/reset
+        self._frames: Any = None  # (F_k, F_v) [H, D, D] self-fitted PCA frames, or None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or value_states.dim() != 4:
             raise ValueError(
-                f"KakeyaLayer expects [batch, kv_heads, tokens, head_dim] states, got keys {tuple(key_states.shape)} "
+                "KakeyaLayer expects [batch, kv_heads, tokens, head_dim] states, got keys "
+                f"{tuple(key_states.shape)} "
                 f"and values {tuple(value_states.shape)}"
             )
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -168,11 +198,15 @@ class KakeyaLayer(CacheLayerMixin):
             self._capture_sinks(key_states, value_states, start)
         positions = self._step_positions(q, start) if self._rope is not None else None
 
-        old_k, old_v = self._materialize()
-        full_k = torch.cat([*old_k, self._hot_k, key_states], dim=-2)
-        full_v = torch.cat([*old_v, self._hot_v, value_states], dim=-2)
-        if self._blocks and self._sink_idx is not None:
-            self._overwrite_sinks(full_k, full_v, self.compressed_length)
+        if self._ctx.budget.limit and self._buffer_ready(start + q):
+            self._buf_k[:, :, start : start + q] = key_states
+            self._buf_v[:, :, start : start + q] = value_states
+            full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
+        else:
+            old_k, old_v = self._materialize()
+            full_k = torch.cat([*old_k, self._hot_k, key_states], dim=-2)
+            full_v = torch.cat([*old_v, self._hot_v, value_states], dim=-2)
+            self._overwrite_sinks(full_k, full_v, 0, self.compressed_length, 0)
 
         self._hot_k = torch.cat([self._hot_k, key_states], dim=-2)
         self._hot_v = torch.cat([self._hot_v, value_states], dim=-2)
@@ -199,6 +233,7 @@ class KakeyaLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop every token and release the decoded budget this layer held."""
         self._release_decoded()
+        self._drop_buffer()
         self._clear()
 
     def offload(self) -> None:  # KakeyaCache never enables offloading
@@ -219,10 +254,13 @@ class KakeyaLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead."
+                "Please use a negative integer to remove that number of tokens from the cache "
+                "instead."
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
+        self._drop_buffer()  # rebuilt lazily by the next update
+        self._buf_refused = False
         new_len = max(self._len + tokens_to_remove, 0)
         clen = self.compressed_length
         if new_len >= clen:
@@ -242,6 +280,14 @@ class KakeyaLayer(CacheLayerMixin):
             if tail is not None:
                 self._hot_k = tk[:, :, :rest].clone()
                 self._hot_v = tv[:, :, :rest].clone()
+                # Sinks were encoded as the block mean: put the exact ones back.
+                self._overwrite_sinks(
+                    self._hot_k,
+                    self._hot_v,
+                    whole * self.block_size,
+                    new_len,
+                    whole * self.block_size,
+                )
                 if self._hot_pos is not None:
                     self._hot_pos = tail.positions[:, :rest].clone()
             else:
@@ -253,7 +299,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._len = new_len
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder batch rows for beam search (compressed streams are re-pointed, not re-encoded)."""
+        """Reorder batch rows for beam search (streams are re-pointed, not re-encoded)."""
         if self.is_initialized:
             self._select_rows(torch.as_tensor(beam_idx, dtype=torch.long).reshape(-1))
 
@@ -277,11 +323,17 @@ class KakeyaLayer(CacheLayerMixin):
                 if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share streams
                     seen.add(id(enc))
                     compressed += int(enc.nbytes)
-        full = sum(_storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v))
+        full = sum(
+            _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
+        )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
         aux += sum(_storage_bytes(b.positions) for b in self._blocks)
-        aux += 0 if self._rope is None else _storage_bytes(self._rope.inv_freq)
+        # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
+        if self._rope is not None and self.is_initialized:
+            aux += _storage_bytes(self._rope.inv_freq)
+        aux += 0 if self._frames is None else sum(_storage_bytes(f) for f in self._frames)
         decoded = sum(_storage_bytes(t) for b in self._blocks if b.decoded for t in b.decoded)
+        decoded += _storage_bytes(self._buf_k) + _storage_bytes(self._buf_v)
         if self.is_initialized:
             per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
             dense = per_token * self._len * self._hot_k.element_size()
@@ -289,20 +341,32 @@ class KakeyaLayer(CacheLayerMixin):
         else:
             dense = bf16 = 0
         return _report(
-            "compressed", self._len, self.compressed_length, compressed, full, aux, decoded, bf16, dense
+            "compressed",
+            self._len,
+            self.compressed_length,
+            compressed,
+            full,
+            aux,
+            decoded,
+            bf16,
+            dense,
         )
 
-    # ---- internals ---------------------------------------------------------------------------------
+    # ---- internals -----------------------------------------------------------------------
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
-            raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} must be [B, H, T, D] with equal B, H, T")
+            raise ValueError(
+                f"keys {tuple(k.shape)} and values {tuple(v.shape)} must be [B, H, T, D] "
+                "with equal B, H, T"
+            )
         want = (self._rows, self._heads, self._hot_k.shape[-1], self._hot_v.shape[-1])
         got = (k.shape[0], k.shape[1], k.shape[-1], v.shape[-1])
         if got != want:
             raise ValueError(
-                f"layer {self.layer_idx}: states of (batch, kv_heads, k_dim, v_dim) = {got} do not match the "
-                f"cache's {want}; use batch_select_indices / batch_repeat_interleave to change the batch"
+                f"layer {self.layer_idx}: states of (batch, kv_heads, k_dim, v_dim) = {got} do "
+                f"not match the cache's {want}; use batch_select_indices / "
+                "batch_repeat_interleave to change the batch"
             )
 
     def _init_sinks(self, q: int) -> None:
@@ -330,13 +394,19 @@ class KakeyaLayer(CacheLayerMixin):
             self._sink_k[rows, slots] = k[rows, :, t]
             self._sink_v[rows, slots] = v[rows, :, t]
 
-    def _overwrite_sinks(self, full_k: torch.Tensor, full_v: torch.Tensor, clen: int) -> None:
-        sel = self._sink_idx < clen
+    def _overwrite_sinks(
+        self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, base: int
+    ) -> None:
+        """Write the exact sinks at cache slots in [lo, hi) into ``k``/``v`` (in place), whose
+        index 0 is cache slot ``base``."""
+        if self._sink_idx is None or hi <= lo:
+            return
+        sel = (self._sink_idx >= lo) & (self._sink_idx < hi)
         if bool(sel.any()):
             rows, slots = sel.nonzero(as_tuple=True)
-            t = self._sink_idx[rows, slots]
-            full_k[rows, :, t] = self._sink_k[rows, slots].to(full_k.dtype)
-            full_v[rows, :, t] = self._sink_v[rows, slots].to(full_v.dtype)
+            t = self._sink_idx[rows, slots] - base
+            k[rows, :, t] = self._sink_k[rows, slots].to(k.dtype)
+            v[rows, :, t] = self._sink_v[rows, slots].to(v.dtype)
 
     def _step_positions(self, q: int, start: int) -> torch.Tensor:
         """RoPE positions of the tokens arriving now: the forward's position_ids when the model
@@ -345,11 +415,16 @@ class KakeyaLayer(CacheLayerMixin):
         if pos is not None:
             if pos.dim() != 2:
                 raise NotImplementedError(
-                    f"pre_rope supports 2-D position_ids; got shape {tuple(pos.shape)} (multimodal RoPE?)"
+                    "pre_rope supports 2-D position_ids; got shape "
+                    f"{tuple(pos.shape)} (multimodal RoPE?)"
                 )
             if pos.shape[-1] == q and pos.shape[0] in (1, self._rows):
                 return pos.to(device=self.device, dtype=torch.int32).expand(self._rows, q).clone()
-        return torch.arange(start, start + q, dtype=torch.int32, device=self.device).expand(self._rows, q).clone()
+        return (
+            torch.arange(start, start + q, dtype=torch.int32, device=self.device)
+            .expand(self._rows, q)
+            .clone()
+        )
 
     def _neutralise_sinks(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
         """Replace sink tokens inside [start, start + n*bs) by their block's mean of the other
@@ -381,22 +456,33 @@ class KakeyaLayer(CacheLayerMixin):
         xk = self._hot_k[:, :, :t].float()
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
         if pos is not None:
+            assert self._rope is not None  # positions are only tracked in pre-RoPE mode
             xk = self._rope.unrotate(xk, pos)
         xk = self._neutralise_sinks(xk, start, n)
         if self._ctx.key_transform is not None:
             xk = apply_checked(self._ctx.key_transform.forward, xk, self.layer_idx, "forward")
         xv = self._neutralise_sinks(self._hot_v[:, :, :t].float(), start, n)
+        if self._ctx.value_transform is not None:
+            xv = apply_checked(self._ctx.value_transform.forward, xv, self.layer_idx, "forward")
+        if self._ctx.self_frames:
+            if self._frames is None:
+                self._frames = (_fit_frames(xk), _fit_frames(xv))
+            xk = torch.einsum("bhtd,hde->bhte", xk, self._frames[0].to(xk.device))
+            xv = torch.einsum("bhtd,hde->bhte", xv, self._frames[1].to(xv.device))
         enc_k = kt.encode_batch(_to_streams(xk.cpu(), n, bs), self.k_params)
         enc_v = kt.encode_batch(_to_streams(xv.cpu(), n, bs), self.v_params)
         per = b * h
         for j in range(n):
-            self._blocks.append(
-                _Block(
-                    k=list(enc_k[j * per : (j + 1) * per]),
-                    v=list(enc_v[j * per : (j + 1) * per]),
-                    positions=None if pos is None else pos[:, j * bs : (j + 1) * bs].clone(),
-                )
+            blk = _Block(
+                k=list(enc_k[j * per : (j + 1) * per]),
+                v=list(enc_v[j * per : (j + 1) * per]),
+                positions=None if pos is None else pos[:, j * bs : (j + 1) * bs].clone(),
             )
+            self._blocks.append(blk)
+            if self._buf_k is not None:
+                # Decoded into the buffer at the next update: the forward in flight still
+                # attends to the exact tokens, as it does without a buffer.
+                self._buf_pending.append(blk)
         self._hot_k = self._hot_k[:, :, t:].clone()
         self._hot_v = self._hot_v[:, :, t:].clone()
         if self._hot_pos is not None:
@@ -407,6 +493,12 @@ class KakeyaLayer(CacheLayerMixin):
         n, b, h = len(blocks), self._rows, self._heads
         dk = _from_streams(_decode([e for blk in blocks for e in blk.k]), n, b, h).float()
         dv = _from_streams(_decode([e for blk in blocks for e in blk.v]), n, b, h)
+        if self._ctx.value_transform is not None:
+            dv = apply_checked(self._ctx.value_transform.inverse, dv.float(), self.layer_idx,
+                               "inverse")
+        if self._frames is not None:  # frames are orthonormal: the inverse is the transpose
+            dk = torch.einsum("bhte,hde->bhtd", dk, self._frames[0])
+            dv = torch.einsum("bhte,hde->bhtd", dv.float(), self._frames[1])
         dk = dk.to(self.device)
         if self._ctx.key_transform is not None:
             dk = apply_checked(self._ctx.key_transform.inverse, dk, self.layer_idx, "inverse")
@@ -414,13 +506,16 @@ class KakeyaLayer(CacheLayerMixin):
             dk = self._rope.rotate(dk, torch.cat([blk.positions for blk in blocks], dim=-1))
         return dk.to(self.dtype), dv.to(device=self.device, dtype=self.dtype)
 
-    def _materialize(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of all blocks, in order, as lists of pieces to concatenate."""
+    def _materialize(self, keep: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of all blocks, in order, as lists of pieces to concatenate; with
+        ``keep``, freshly decoded blocks are kept while the budget allows."""
         if not self._blocks:
             return [], []
         need = [blk for blk in self._blocks if blk.decoded is None]
         if not need:
-            return [blk.decoded[0] for blk in self._blocks], [blk.decoded[1] for blk in self._blocks]
+            return [blk.decoded[0] for blk in self._blocks], [
+                blk.decoded[1] for blk in self._blocks
+            ]
         dk, dv = self._decode_blocks(need)
         bs = self.block_size
         fresh = {}
@@ -428,12 +523,81 @@ class KakeyaLayer(CacheLayerMixin):
             pk, pv = dk[:, :, i * bs : (i + 1) * bs], dv[:, :, i * bs : (i + 1) * bs]
             fresh[id(blk)] = (pk, pv)
             nbytes = (pk.numel() + pv.numel()) * pk.element_size()
-            if self._ctx.budget.limit and self._ctx.budget.try_reserve(nbytes):
+            if keep and self._ctx.budget.limit and self._ctx.budget.try_reserve(nbytes):
                 blk.decoded = (pk.clone(), pv.clone())
         if len(need) == len(self._blocks):
             return [dk], [dv]  # common no-budget case: already one tensor in block order
-        pieces = [blk.decoded if blk.decoded is not None else fresh[id(blk)] for blk in self._blocks]
+        pieces = [
+            blk.decoded if blk.decoded is not None else fresh[id(blk)] for blk in self._blocks
+        ]
         return [p[0] for p in pieces], [p[1] for p in pieces]
+
+    def _buffer_ready(self, need: int) -> bool:
+        """Make the contiguous decoded buffer hold ``need`` tokens and be up to date; False
+        (and no buffer) when the budget cannot hold it."""
+        per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
+        per_token *= self._hot_k.element_size()
+        budget = self._ctx.budget
+        if self._buf_k is None:
+            if self._buf_refused:
+                return False
+            cap = need + self._buf_headroom
+            if not budget.try_reserve(cap * per_token):
+                self._buf_refused = True
+                return False
+            self._release_decoded()  # single kept blocks are superseded by the buffer
+            b, h = self._rows, self._heads
+            buf_k = self._hot_k.new_empty((b, h, cap, self._hot_k.shape[-1]))
+            buf_v = self._hot_v.new_empty((b, h, cap, self._hot_v.shape[-1]))
+            clen = self.compressed_length
+            if self._blocks:
+                pieces_k, pieces_v = self._materialize(keep=False)
+                at = 0
+                for pk, pv in zip(pieces_k, pieces_v):
+                    buf_k[:, :, at : at + pk.shape[-2]] = pk
+                    buf_v[:, :, at : at + pv.shape[-2]] = pv
+                    at += pk.shape[-2]
+                self._overwrite_sinks(buf_k, buf_v, 0, clen, 0)
+            buf_k[:, :, clen : self._len] = self._hot_k
+            buf_v[:, :, clen : self._len] = self._hot_v
+            self._buf_k, self._buf_v, self._buf_pending = buf_k, buf_v, []
+            return True
+        cap = self._buf_k.shape[-2]
+        if cap < need:
+            # Grow by a fixed headroom, not geometrically: headroom is budget spent on nothing,
+            # and the O(L) copy happens once per `_buf_headroom` tokens.
+            new_cap = need + self._buf_headroom
+            if not budget.try_reserve((new_cap - cap) * per_token):
+                self._drop_buffer()
+                self._buf_refused = True
+                return False
+            for name in ("_buf_k", "_buf_v"):
+                old = getattr(self, name)
+                new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))
+                new[:, :, : self._len] = old[:, :, : self._len]
+                setattr(self, name, new)
+        if self._buf_pending:
+            first = next(i for i, b in enumerate(self._blocks) if b is self._buf_pending[0])
+            lo = first * self.block_size
+            hi = lo + len(self._buf_pending) * self.block_size
+            dk, dv = self._decode_blocks(self._buf_pending)
+            self._buf_k[:, :, lo:hi] = dk
+            self._buf_v[:, :, lo:hi] = dv
+            self._overwrite_sinks(self._buf_k, self._buf_v, lo, hi, 0)
+            self._buf_pending = []
+        return True
+
+    @property
+    def _buf_headroom(self) -> int:
+        # Spare tokens per (re)allocation: enough that decoding reallocates once per this
+        # many steps, small enough that little of the budget holds nothing.
+        return min(self.block_size, 128)
+
+    def _drop_buffer(self) -> None:
+        if self._buf_k is not None:
+            self._ctx.budget.release(_storage_bytes(self._buf_k) + _storage_bytes(self._buf_v))
+        self._buf_k = self._buf_v = None
+        self._buf_pending = []
 
     def _drop_decoded(self, blk: _Block) -> None:
         if blk.decoded is not None:
@@ -445,10 +609,17 @@ class KakeyaLayer(CacheLayerMixin):
             self._drop_decoded(blk)
 
     def _select_rows(self, rows: torch.Tensor) -> None:
-        """Rebuild every per-row structure for the batch rows ``rows`` (beam reorder, select, repeat)."""
+        """Rebuild every per-row structure for batch rows ``rows`` (reorder, select, repeat)."""
         rows_dev = rows.to(self.device)
         h = self._heads
         order = rows.tolist()
+        if self._buf_k is not None:
+            if len(order) == self._rows:  # beam reorder: same bytes, keep the buffer
+                self._buf_k = self._buf_k.index_select(0, rows_dev)
+                self._buf_v = self._buf_v.index_select(0, rows_dev)
+            else:
+                self._drop_buffer()
+                self._buf_refused = False
         self._hot_k = self._hot_k.index_select(0, rows_dev)
         self._hot_v = self._hot_v.index_select(0, rows_dev)
         if self._hot_pos is not None:

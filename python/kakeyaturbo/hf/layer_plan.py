@@ -84,7 +84,9 @@ def _window(cfg: PretrainedConfig, kind: LayerKind) -> int:
     return int(window)
 
 
-def build_layer_plan(config: PretrainedConfig, skip_layers: Iterable[int] | None = None) -> list[LayerSpec]:
+def build_layer_plan(
+    config: PretrainedConfig, skip_layers: Iterable[int] | None = None
+) -> list[LayerSpec]:
     """Plan every decoder layer of ``config``.
 
     Args:
@@ -97,7 +99,9 @@ def build_layer_plan(config: PretrainedConfig, skip_layers: Iterable[int] | None
     """
     cfg = text_config(config)
     if getattr(cfg, "is_encoder_decoder", False):
-        raise NotImplementedError("KakeyaCache supports decoder-only models; encoder-decoder models are not supported")
+        raise NotImplementedError(
+            "KakeyaCache supports decoder-only models; encoder-decoder models are not supported"
+        )
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int) or n <= 0:
         raise ValueError("config.num_hidden_layers must be a positive integer")
@@ -119,10 +123,11 @@ def build_layer_plan(config: PretrainedConfig, skip_layers: Iterable[int] | None
             plan.append(LayerSpec(i, LayerKind.SHARED, layer_type=layer_type))
         else:
             raise NotImplementedError(
-                f"layer {i} has type {layer_type!r}; KakeyaCache supports full_attention, sliding_attention and "
+                f"layer {i} has type {layer_type!r}; KakeyaCache supports full_attention, "
+                "sliding_attention and "
                 "chunked_attention layers (and KV-sharing consumers)"
             )
-    # A skip_layers entry naming a sliding/chunked/shared layer is a no-op: those are never compressed.
+    # skip_layers naming a sliding/chunked/shared layer is a no-op: those are never compressed.
     return plan
 
 
@@ -141,7 +146,9 @@ def _check_skip_layers(skip_layers: Iterable[int] | None, n: int) -> set[int]:
     if skip_layers is None:
         return set()
     if isinstance(skip_layers, (str, bytes)) or not isinstance(skip_layers, Iterable):
-        raise TypeError(f"skip_layers must be an iterable of layer indices, got {type(skip_layers).__name__}")
+        raise TypeError(
+            f"skip_layers must be an iterable of layer indices, got {type(skip_layers).__name__}"
+        )
     out = set()
     for i in skip_layers:
         if isinstance(i, bool) or not isinstance(i, int):

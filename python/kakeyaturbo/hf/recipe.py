@@ -1,34 +1,31 @@
-"""The default codec recipe of the Hugging Face cache."""
+"""The default codec recipe of the Hugging Face cache (see :mod:`kakeyaturbo.recipes`).
+
+The cache always codes in a PCA frame with water-filling: the calibration bundle's frames
+when one is given, else frames fitted per layer and KV head on the first tokens it
+compresses (held once per layer, counted in ``memory_report()["aux_bytes"]``). Keys are
+stored pre-RoPE.
+"""
 
 from __future__ import annotations
 
 import kakeyaturbo as kt
+from kakeyaturbo.recipes import calibrated_recipe
 
 #: Defaults of ``KakeyaCache`` besides the codec parameters.
 DEFAULT_RESIDUAL_LENGTH = 256
 DEFAULT_SINK_TOKENS = 4
 
 
+def default_pre_rope() -> bool:
+    """Whether the default recipe stores keys pre-RoPE."""
+    return calibrated_recipe().pre_rope
+
+
 def default_kv_params(block_size: int | None = None) -> tuple[kt.CodecParams, kt.CodecParams]:
-    """(k_params, v_params) of the default recipe.
-
-    The project-wide recipe (``kakeyaturbo.recipes.default_kv_params()``) wins when it exists;
-    the built-in fallback below is used otherwise.
-
-    Keys use the inner-product metric (attention only sees ``q . k``, and the MSE quantiser's
-    shrinkage flattens the softmax); values use MSE. Both keep every PCA component and spend
-    3 bits per rotated coordinate over 512-token blocks, with sparse outliers.
-    """
-    project = _project_recipe()
-    if project is not None:
-        k, v = project
-        if block_size is not None:
-            k, v = k.replace(block_size=block_size), v.replace(block_size=block_size)
-        return k, v
-    bs = 512 if block_size is None else block_size
-    k = kt.CodecParams(block_size=bs, bit_width=3, metric="inner_product", variance_ratio=1.0)
-    v = kt.CodecParams(block_size=bs, bit_width=3, metric="mse", variance_ratio=1.0)
-    return k, v
+    """(k_params, v_params) of the default recipe: frame-free water-filling parameters (the
+    cache supplies the frame)."""
+    r = calibrated_recipe() if block_size is None else calibrated_recipe(block_size=block_size)
+    return r.k, r.v
 
 
 def resolve_kv_params(
@@ -45,19 +42,8 @@ def resolve_kv_params(
     v = v_params if v_params is not None else dv
     if int(k.block_size) != int(v.block_size):
         raise ValueError(
-            f"k_params.block_size ({k.block_size}) and v_params.block_size ({v.block_size}) must be equal: "
+            f"k_params.block_size ({k.block_size}) and v_params.block_size ({v.block_size}) "
+            "must be equal: "
             "keys and values are compressed in the same token blocks"
         )
     return k, v
-
-
-def _project_recipe() -> tuple[kt.CodecParams, kt.CodecParams] | None:
-    try:
-        from kakeyaturbo.recipes import default_kv_params as project_default
-    except ImportError:
-        return None
-    rec = project_default()
-    if isinstance(rec, tuple) and len(rec) == 2 and all(isinstance(x, kt.CodecParams) for x in rec):
-        return rec
-    kv = rec[0] if isinstance(rec, tuple) else rec  # (KVCodecParams, options) or KVCodecParams
-    return kv.k, kv.v

@@ -27,17 +27,25 @@ class RotarySpec:
     inv_freq: torch.Tensor  # [rot_dim // 2], float32
     rot_dim: int  # channels rotated (head_dim unless partial_rotary_factor < 1)
 
-    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(
+        self, positions: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] integer -> cos, sin: [B, 1, T, rot_dim] float32
-        freqs = positions.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(device)
+        freqs = positions.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(
+            device
+        )
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[:, None], emb.sin()[:, None]
 
     def _apply(self, x: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
         if x.dim() != 4:
-            raise ValueError(f"expected keys shaped [batch, heads, tokens, head_dim], got {tuple(x.shape)}")
+            raise ValueError(
+                f"expected keys shaped [batch, heads, tokens, head_dim], got {tuple(x.shape)}"
+            )
         if positions.shape != (x.shape[0], x.shape[2]):
-            raise ValueError(f"positions {tuple(positions.shape)} do not match keys {tuple(x.shape)}")
+            raise ValueError(
+                f"positions {tuple(positions.shape)} do not match keys {tuple(x.shape)}"
+            )
         cos, sin = self._cos_sin(positions, x.device)
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
         half = self.rot_dim // 2
@@ -54,7 +62,9 @@ class RotarySpec:
         return self._apply(x, positions, -1.0)
 
 
-def rotary_spec_from_config(config: PretrainedConfig, layer_type: str = "full_attention") -> RotarySpec:
+def rotary_spec_from_config(
+    config: PretrainedConfig, layer_type: str = "full_attention"
+) -> RotarySpec:
     """Build the RoPE of ``layer_type`` layers from a (text) config.
 
     Supports the ``default`` and ``linear`` rope types with ``rope_theta`` and an optional
@@ -67,7 +77,9 @@ def rotary_spec_from_config(config: PretrainedConfig, layer_type: str = "full_at
     if not params:
         theta = getattr(config, "rope_theta", None)
         if theta is None:
-            raise ValueError("pre_rope needs a RoPE model: the config has neither rope_parameters nor rope_theta")
+            raise ValueError(
+                "pre_rope needs a RoPE model: the config has neither rope_parameters nor rope_theta"
+            )
         params = {"rope_type": "default", "rope_theta": theta}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -77,12 +89,16 @@ def rotary_spec_from_config(config: PretrainedConfig, layer_type: str = "full_at
     if "rope_theta" not in params:
         raise ValueError("pre_rope: rope_parameters has no rope_theta")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    factor = (
+        params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    )
     dim = int(head_dim * factor)
     if dim <= 0 or dim % 2 or dim > head_dim:
         raise ValueError(f"pre_rope: rotary dimension {dim} is invalid for head_dim {head_dim}")
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
+    )
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
     return RotarySpec(inv_freq=inv_freq, rot_dim=dim)

@@ -33,7 +33,8 @@ def check_key_transform(transform: object) -> KeyTransform | None:
     for name in ("forward", "inverse"):
         if not callable(getattr(transform, name, None)):
             raise TypeError(
-                f"key_transform must have callable forward(keys, layer_idx) and inverse(keys, layer_idx); "
+                "key_transform must have callable forward(keys, layer_idx) and "
+                "inverse(keys, layer_idx); "
                 f"{type(transform).__name__} has no {name}"
             )
     return transform  # type: ignore[return-value]
@@ -44,5 +45,7 @@ def apply_checked(fn, keys: torch.Tensor, layer_idx: int, what: str) -> torch.Te
     out = fn(keys, layer_idx)
     if not isinstance(out, torch.Tensor) or out.shape != keys.shape:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"key_transform.{what} must return a tensor shaped {tuple(keys.shape)}, got {got}")
+        raise ValueError(
+            f"key_transform.{what} must return a tensor shaped {tuple(keys.shape)}, got {got}"
+        )
     return out.float()

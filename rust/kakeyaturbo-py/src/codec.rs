@@ -1,7 +1,7 @@
 //! Encode / decode entry points. The work runs with the GIL released; batched calls run
 //! their streams (and each stream's blocks) in parallel on rayon's pool.
 
-use kakeyaturbo::{self as core, EncodedLayer, InputDtype};
+use kakeyaturbo::{self as core, EncodedLayer, ExternalBasis, InputDtype};
 use numpy::ndarray::{Ix1, Ix2, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
@@ -62,6 +62,12 @@ impl PyEncodedLayer {
         dtype_name(self.inner.input_dtype())
     }
 
+    /// Fingerprint of the external basis needed to decode, or None.
+    #[getter]
+    fn basis_fingerprint(&self) -> Option<u64> {
+        self.inner.external_fingerprint()
+    }
+
     /// Parameters the layer was encoded with.
     #[getter]
     fn params(&self) -> PyCodecParams {
@@ -104,6 +110,78 @@ impl PyEncodedLayer {
     }
 }
 
+/// An orthonormal basis supplied by the caller (e.g. from a calibration bundle): rows
+/// `[d_eff, head_dim]`. Encodings store only its fingerprint; decoding needs it again.
+#[pyclass(name = "Basis", module = "kakeyaturbo._core", frozen)]
+pub struct PyBasis {
+    pub inner: ExternalBasis,
+}
+
+#[pymethods]
+impl PyBasis {
+    #[new]
+    fn new(rows: ArrayIn<'_, Ix2>) -> PyResult<Self> {
+        let v = rows.values("rows", false)?;
+        let (r, d) = (v.shape[0], v.shape[1]);
+        let inner = ExternalBasis::new(v.data.into_owned(), r, d).map_err(to_py)?;
+        Ok(PyBasis { inner })
+    }
+    /// The rows as a float32 `[d_eff, head_dim]` array.
+    #[getter]
+    fn rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let e = &self.inner;
+        Ok(PyArray1::from_slice(py, e.rows())
+            .reshape([e.d_eff(), e.head_dim()])?
+            .into_any())
+    }
+    /// Number of rows.
+    #[getter]
+    fn d_eff(&self) -> usize {
+        self.inner.d_eff()
+    }
+    /// Row length.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim()
+    }
+    /// The 64-bit fingerprint stored in encodings.
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint()
+    }
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyAny>,))> {
+        Ok((slf.get_type().into_any(), (slf.get().rows(slf.py())?,)))
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Basis(d_eff={}, head_dim={}, fingerprint={:#018x})",
+            self.inner.d_eff(),
+            self.inner.head_dim(),
+            self.inner.fingerprint()
+        )
+    }
+}
+
+/// One basis for every stream, or one per stream.
+fn bases_for<'a>(
+    bases: &'a Option<Vec<Bound<'_, PyBasis>>>,
+    streams: usize,
+) -> PyResult<Vec<Option<&'a ExternalBasis>>> {
+    match bases {
+        None => Ok(vec![None; streams]),
+        Some(list) if list.len() == 1 => Ok(vec![Some(&list[0].get().inner); streams]),
+        Some(list) if list.len() == streams => {
+            Ok(list.iter().map(|b| Some(&b.get().inner)).collect())
+        }
+        Some(list) => Err(PyValueError::new_err(format!(
+            "bases: {} bases for {streams} streams (give one, or one per stream)",
+            list.len()
+        ))),
+    }
+}
+
 fn weights_slice<'a>(
     w: &'a Option<PyReadonlyArray1<'_, f32>>,
     n: usize,
@@ -125,34 +203,37 @@ fn weights_slice<'a>(
     }
 }
 
-/// Encodes one `[tokens, head_dim]` array.
+/// Encodes one `[tokens, head_dim]` array (with an optional caller-supplied basis).
 #[pyfunction]
-#[pyo3(signature = (x, params, weights=None, bf16_bits=false))]
+#[pyo3(signature = (x, params, weights=None, bf16_bits=false, basis=None))]
 pub fn encode_layer(
     py: Python<'_>,
     x: ArrayIn<'_, Ix2>,
     params: &PyCodecParams,
     weights: Option<PyReadonlyArray1<'_, f32>>,
     bf16_bits: bool,
+    basis: Option<Bound<'_, PyBasis>>,
 ) -> PyResult<PyEncodedLayer> {
     let v = x.values("x", bf16_bits)?;
     let (n, d) = (v.shape[0], v.shape[1]);
     let w = weights_slice(&weights, n)?;
     let p = &params.inner;
+    let ext = basis.as_ref().map(|b| &b.get().inner);
     let inner = py
-        .detach(|| core::encode_layer(&v.data, n, d, w, p, v.dtype))
+        .detach(|| core::encode_layer_with(&v.data, n, d, w, p, v.dtype, ext))
         .map_err(to_py)?;
     Ok(PyEncodedLayer { inner })
 }
 
 /// Encodes `[streams, tokens, head_dim]`: one EncodedLayer per stream, in parallel.
 #[pyfunction]
-#[pyo3(signature = (x, params, bf16_bits=false))]
+#[pyo3(signature = (x, params, bf16_bits=false, bases=None))]
 pub fn encode_batch(
     py: Python<'_>,
     x: ArrayIn<'_, Ix3>,
     params: &PyCodecParams,
     bf16_bits: bool,
+    bases: Option<Vec<Bound<'_, PyBasis>>>,
 ) -> PyResult<Vec<PyEncodedLayer>> {
     let v = x.values("x", bf16_bits)?;
     let (s, n, d) = (v.shape[0], v.shape[1], v.shape[2]);
@@ -162,12 +243,14 @@ pub fn encode_batch(
     let p = &params.inner;
     let data: &[f32] = &v.data;
     let dtype = v.dtype;
+    let ext = bases_for(&bases, s)?;
     let layers = py
         .detach(|| {
             (0..s)
                 .into_par_iter()
                 .map(|i| {
-                    core::encode_layer(&data[i * n * d..(i + 1) * n * d], n, d, None, p, dtype)
+                    let xi = &data[i * n * d..(i + 1) * n * d];
+                    core::encode_layer_with(xi, n, d, None, p, dtype, ext[i])
                 })
                 .collect::<Result<Vec<_>, _>>()
         })
@@ -180,19 +263,27 @@ pub fn encode_batch(
 
 /// Decodes to a float32 `[tokens, head_dim]` array.
 #[pyfunction]
-pub fn decode_layer<'py>(py: Python<'py>, enc: &PyEncodedLayer) -> PyResult<Bound<'py, PyAny>> {
+#[pyo3(signature = (enc, basis=None))]
+pub fn decode_layer<'py>(
+    py: Python<'py>,
+    enc: &PyEncodedLayer,
+    basis: Option<Bound<'py, PyBasis>>,
+) -> PyResult<Bound<'py, PyAny>> {
     let (n, d) = enc.inner.shape();
+    let ext = basis.as_ref().map(|b| &b.get().inner);
     let out = py
-        .detach(|| core::decode_layer(&enc.inner))
+        .detach(|| core::decode_layer_with(&enc.inner, ext))
         .map_err(to_py)?;
     Ok(PyArray1::from_vec(py, out).reshape([n, d])?.into_any())
 }
 
 /// Decodes equally shaped layers to one float32 `[streams, tokens, head_dim]` array.
 #[pyfunction]
+#[pyo3(signature = (encs, bases=None))]
 pub fn decode_batch<'py>(
     py: Python<'py>,
     encs: Vec<Bound<'py, PyEncodedLayer>>,
+    bases: Option<Vec<Bound<'py, PyBasis>>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let refs: Vec<&EncodedLayer> = encs.iter().map(|e| &e.get().inner).collect();
     let Some(first) = refs.first() else {
@@ -207,13 +298,14 @@ pub fn decode_batch<'py>(
         )));
     }
     let s = refs.len();
+    let ext = bases_for(&bases, s)?;
     let out = py
         .detach(|| -> Result<Vec<f32>, kakeyaturbo::Error> {
             let mut out = vec![0.0f32; s * n * d];
             out.par_chunks_mut(n * d)
-                .zip(refs.par_iter())
-                .try_for_each(|(chunk, e)| {
-                    chunk.copy_from_slice(&core::decode_layer(e)?);
+                .zip(refs.par_iter().zip(ext.par_iter()))
+                .try_for_each(|(chunk, (e, b))| {
+                    chunk.copy_from_slice(&core::decode_layer_with(e, *b)?);
                     Ok(())
                 })?;
             Ok(out)
@@ -243,7 +335,7 @@ pub fn stage_errors<'py>(
     Ok(out)
 }
 
-/// The Gaussian Lloyd-Max levels for `bits` (1, 2, 3, 4, 8).
+/// The Gaussian Lloyd-Max levels for `bits` in 1..=8.
 #[pyfunction]
 pub fn gaussian_codebook(bits: u8) -> PyResult<Vec<f32>> {
     Ok(kakeyaturbo::lloyd_max::gaussian(bits)

@@ -15,6 +15,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FORMAT_VERSION", kakeyaturbo::format::FORMAT_VERSION)?;
     m.add_class::<params::PyCodecParams>()?;
     m.add_class::<codec::PyEncodedLayer>()?;
+    m.add_class::<codec::PyBasis>()?;
     m.add_function(wrap_pyfunction!(params::_params_from_dict, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_batch, m)?)?;
@@ -37,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "__all__",
         [
+            "Basis",
             "ChecksumError",
             "CodecParams",
             "EncodedLayer",

@@ -1,6 +1,6 @@
 //! `CodecParams`: an immutable, validated Python view of the core parameters.
 
-use kakeyaturbo::{CodecParams, Metric, PcaMethod, SkeletonDtype};
+use kakeyaturbo::{Allocation, CodecParams, Metric, PcaMethod, SkeletonDtype};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -18,8 +18,9 @@ fn parse_pca(s: &str) -> PyResult<PcaMethod> {
     match s {
         "exact" => Ok(PcaMethod::Exact),
         "randomized" => Ok(PcaMethod::Randomized),
+        "none" => Ok(PcaMethod::None),
         _ => Err(PyValueError::new_err(format!(
-            "pca_method must be 'exact' or 'randomized', got {s:?}"
+            "pca_method must be 'exact', 'randomized' or 'none', got {s:?}"
         ))),
     }
 }
@@ -45,10 +46,28 @@ fn parse_skeleton(s: &str) -> PyResult<SkeletonDtype> {
     }
 }
 
+fn parse_allocation(s: &str) -> PyResult<Allocation> {
+    match s {
+        "uniform" => Ok(Allocation::Uniform),
+        "waterfill" => Ok(Allocation::Waterfill),
+        _ => Err(PyValueError::new_err(format!(
+            "allocation must be 'uniform' or 'waterfill', got {s:?}"
+        ))),
+    }
+}
+
+pub fn allocation_name(a: Allocation) -> &'static str {
+    match a {
+        Allocation::Uniform => "uniform",
+        Allocation::Waterfill => "waterfill",
+    }
+}
+
 pub fn pca_name(m: PcaMethod) -> &'static str {
     match m {
         PcaMethod::Exact => "exact",
         PcaMethod::Randomized => "randomized",
+        PcaMethod::None => "none",
     }
 }
 
@@ -77,7 +96,7 @@ impl PyCodecParams {
     #[pyo3(signature = (*, block_size=512, bit_width=3, pca_method="exact", target_rank=None,
         oversample=8, power_iters=2, variance_ratio=1.0, rank_cap=None, share_basis=false,
         k=16, kmeans_iters=8, metric="mse", outlier_threshold=4.0, skeleton_dtype="fp16",
-        seed=0, centroids=None))]
+        seed=0, centroids=None, allocation="uniform", bits_per_value=2.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_size: i64,
@@ -96,6 +115,8 @@ impl PyCodecParams {
         skeleton_dtype: &str,
         seed: u64,
         centroids: Option<Vec<f32>>,
+        allocation: &str,
+        bits_per_value: f64,
     ) -> PyResult<Self> {
         let bit_width = u8::try_from(bit_width).map_err(|_| {
             PyValueError::new_err(format!(
@@ -119,6 +140,8 @@ impl PyCodecParams {
             skeleton_dtype: parse_skeleton(skeleton_dtype)?,
             seed,
             centroids,
+            allocation: parse_allocation(allocation)?,
+            bits_per_value: bits_per_value as f32,
         };
         inner.validate().map_err(to_py)?;
         Ok(PyCodecParams { inner })
@@ -188,6 +211,14 @@ impl PyCodecParams {
     fn centroids(&self) -> Option<Vec<f32>> {
         self.inner.centroids.clone()
     }
+    #[getter]
+    fn allocation(&self) -> &'static str {
+        allocation_name(self.inner.allocation)
+    }
+    #[getter]
+    fn bits_per_value(&self) -> f32 {
+        self.inner.bits_per_value
+    }
 
     /// All fields as a dict that `CodecParams(**d)` accepts.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -208,6 +239,8 @@ impl PyCodecParams {
         d.set_item("skeleton_dtype", self.skeleton_dtype())?;
         d.set_item("seed", self.seed())?;
         d.set_item("centroids", self.centroids())?;
+        d.set_item("allocation", self.allocation())?;
+        d.set_item("bits_per_value", self.bits_per_value() as f64)?;
         Ok(d)
     }
 
@@ -244,24 +277,13 @@ impl PyCodecParams {
         Ok((helper, args))
     }
 
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "CodecParams(block_size={}, bit_width={}, pca_method='{}', variance_ratio={}, rank_cap={:?}, \
-             share_basis={}, k={}, metric='{}', outlier_threshold={}, skeleton_dtype='{}', seed={}{})",
-            p.block_size,
-            p.bit_width,
-            pca_name(p.pca_method),
-            p.variance_ratio,
-            self.rank_cap(),
-            if p.share_basis { "True" } else { "False" },
-            p.k,
-            metric_name(p.metric),
-            p.outlier_threshold,
-            skeleton_name(p.skeleton_dtype),
-            p.seed,
-            if p.centroids.is_some() { ", centroids=[...]" } else { "" }
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let d = self.to_dict(py)?;
+        let mut parts = Vec::new();
+        for (k, v) in d.iter() {
+            parts.push(format!("{}={}", k, v.repr()?));
+        }
+        Ok(format!("CodecParams({})", parts.join(", ")))
     }
 }
 

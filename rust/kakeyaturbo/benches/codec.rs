@@ -1,1 +1,253 @@
-fn main() {}
+//! Criterion benchmarks: each pipeline stage on one block, then whole layers.
+//!
+//! Every benchmark reports `Throughput::Bytes` of the f32 input it processes (`n x D x 4`),
+//! so stages and whole-layer numbers compare directly. Ids are parameterised by the head
+//! dimension (`D64`, `D128`) and, where it matters, the bit width (`b2`, `b4`). One block
+//! is 512 vectors; a layer is 4,096 vectors (8 blocks, encoded in parallel).
+//!
+//! Data: synthetic KV-like vectors (`tests/common`: decaying spectrum, per-channel offset,
+//! one large channel), seeded by `SplitMix64`. Measurement is kept short so the whole run
+//! takes a few minutes on two cores:
+//!
+//! ```text
+//! cargo bench -p kakeyaturbo                 # everything
+//! cargo bench -p kakeyaturbo -- encode_layer # one group
+//! ```
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::measurement::WallTime;
+use criterion::{
+    criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
+};
+use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
+use kakeyaturbo::lloyd_max::gaussian;
+use kakeyaturbo::wht::Rotation;
+use kakeyaturbo::{
+    decode_layer, encode_block, encode_layer, kmeans, pca, rsvd, BasisRef, CodecParams,
+    EncodedLayer, InputDtype,
+};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+const BLOCK: usize = 512;
+const LAYER_TOKENS: usize = 4096;
+const DIMS: [usize; 2] = [64, 128];
+const BITS: [u8; 2] = [2, 4];
+const SEED: u64 = 0xBE7C;
+
+fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
+    let mut g = c.benchmark_group(name);
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    g
+}
+
+fn f32_bytes(n: usize, d: usize) -> Throughput {
+    Throughput::Bytes((n * d * std::mem::size_of::<f32>()) as u64)
+}
+
+fn block(d: usize) -> Vec<f32> {
+    common::kv_like(BLOCK, d, SEED ^ d as u64)
+}
+
+fn bench_pca(c: &mut Criterion) {
+    let mut g = group(c, "pca_exact");
+    for d in DIMS {
+        let x = block(d);
+        g.throughput(f32_bytes(BLOCK, d));
+        g.bench_with_input(BenchmarkId::from_parameter(format!("D{d}")), &x, |b, x| {
+            b.iter(|| pca::fit_exact(black_box(x), BLOCK, d, None, 1.0, d).unwrap())
+        });
+    }
+    g.finish();
+
+    let mut g = group(c, "pca_randomized");
+    for d in DIMS {
+        let x = block(d);
+        let rank = d / 4;
+        g.throughput(f32_bytes(BLOCK, d));
+        g.bench_with_input(
+            BenchmarkId::from_parameter(format!("D{d}_r{rank}")),
+            &x,
+            |b, x| {
+                b.iter(|| {
+                    rsvd::fit_randomized(black_box(x), BLOCK, d, None, 1.0, d, rank, 8, 2, SEED)
+                        .unwrap()
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+fn bench_kmeans(c: &mut Criterion) {
+    let mut g = group(c, "kmeans_fit");
+    for d in DIMS {
+        // Cluster the centred PCA coefficients, as the codec does.
+        let x = block(d);
+        let fit = pca::fit_exact(&x, BLOCK, d, None, 1.0, d).unwrap();
+        let mut coeffs = vec![0.0f32; BLOCK * fit.d_eff];
+        for (i, row) in x.chunks_exact(d).enumerate() {
+            for j in 0..fit.d_eff {
+                let basis = &fit.basis[j * d..(j + 1) * d];
+                coeffs[i * fit.d_eff + j] = row
+                    .iter()
+                    .zip(&fit.mean)
+                    .zip(basis)
+                    .map(|((v, m), b)| (v - m) * b)
+                    .sum();
+            }
+        }
+        let w = vec![1.0 / BLOCK as f64; BLOCK];
+        g.throughput(f32_bytes(BLOCK, d));
+        g.bench_with_input(
+            BenchmarkId::from_parameter(format!("D{d}_k16")),
+            &coeffs,
+            |b, cf| b.iter(|| kmeans::fit(black_box(cf), BLOCK, fit.d_eff, 16, 8, &w, SEED)),
+        );
+    }
+    g.finish();
+}
+
+fn bench_wht(c: &mut Criterion) {
+    let mut g = group(c, "wht_forward");
+    for d in DIMS {
+        let rot = Rotation::new(d, SEED);
+        let mut x = block(d);
+        g.throughput(f32_bytes(BLOCK, d));
+        g.bench_function(BenchmarkId::from_parameter(format!("D{d}")), |b| {
+            // The rotation is orthonormal, so repeating it in place keeps values bounded.
+            b.iter(|| {
+                for row in x.chunks_exact_mut(d) {
+                    rot.forward(black_box(row));
+                }
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_quantise_pack(c: &mut Criterion) {
+    for d in DIMS {
+        // Unit-variance values, as the codec feeds the quantiser after rotation and scaling.
+        let x: Vec<f32> = common::kv_like(BLOCK, d, SEED)
+            .chunks_exact(d)
+            .flat_map(|row| {
+                let rms = (row.iter().map(|v| v * v).sum::<f32>() / d as f32).sqrt();
+                row.iter().map(move |v| v / rms).collect::<Vec<_>>()
+            })
+            .collect();
+        for bits in BITS {
+            let cb = gaussian(bits).unwrap();
+            let id = BenchmarkId::from_parameter(format!("D{d}_b{bits}"));
+            let codes: Vec<u16> = x.iter().map(|&v| cb.quantize(v)).collect();
+            let mut packed = Vec::new();
+            pack_into(&codes, bits as u32, &mut packed);
+            assert_eq!(packed.len(), packed_len(codes.len(), bits as u32));
+
+            let mut g = group(c, "lloyd_max_quantise");
+            g.throughput(f32_bytes(BLOCK, d));
+            let mut out = Vec::with_capacity(x.len());
+            g.bench_function(id.clone(), |b| {
+                b.iter(|| {
+                    out.clear();
+                    out.extend(black_box(&x).iter().map(|&v| cb.quantize(v)));
+                    black_box(&out);
+                })
+            });
+            g.finish();
+
+            let mut g = group(c, "bit_pack");
+            g.throughput(f32_bytes(BLOCK, d));
+            let mut buf = Vec::with_capacity(packed.len());
+            g.bench_function(id.clone(), |b| {
+                b.iter(|| {
+                    buf.clear();
+                    pack_into(black_box(&codes), bits as u32, &mut buf);
+                    black_box(&buf);
+                })
+            });
+            g.finish();
+
+            let mut g = group(c, "bit_unpack");
+            g.throughput(f32_bytes(BLOCK, d));
+            g.bench_function(id, |b| {
+                b.iter(|| unpack(black_box(&packed), codes.len(), bits as u32).unwrap())
+            });
+            g.finish();
+        }
+    }
+}
+
+fn layer_params(bits: u8) -> CodecParams {
+    CodecParams {
+        block_size: BLOCK,
+        bit_width: bits,
+        seed: SEED,
+        ..Default::default()
+    }
+}
+
+fn bench_block(c: &mut Criterion) {
+    let mut g = group(c, "encode_block");
+    for d in DIMS {
+        let x = block(d);
+        let p = layer_params(4);
+        g.throughput(f32_bytes(BLOCK, d));
+        g.bench_function(BenchmarkId::from_parameter(format!("D{d}_b4")), |b| {
+            b.iter(|| {
+                encode_block(black_box(&x), BLOCK, d, None, &p, BasisRef::PerBlock, 0).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_layer(c: &mut Criterion) {
+    for d in DIMS {
+        let x = common::kv_like(LAYER_TOKENS, d, SEED ^ 0x1A7E ^ d as u64);
+        for bits in BITS {
+            let p = layer_params(bits);
+            let id = BenchmarkId::from_parameter(format!("D{d}_b{bits}"));
+            let enc = encode_layer(&x, LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap();
+
+            let mut g = group(c, "encode_layer");
+            g.throughput(f32_bytes(LAYER_TOKENS, d));
+            g.bench_function(id.clone(), |b| {
+                b.iter(|| {
+                    encode_layer(black_box(&x), LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap()
+                })
+            });
+            g.finish();
+
+            let mut g = group(c, "decode_layer");
+            g.throughput(f32_bytes(LAYER_TOKENS, d));
+            g.bench_function(id.clone(), |b| {
+                b.iter(|| decode_layer(black_box(&enc)).unwrap())
+            });
+            g.finish();
+
+            let mut g = group(c, "from_bytes");
+            g.throughput(f32_bytes(LAYER_TOKENS, d));
+            let bytes = enc.as_bytes().to_vec();
+            g.bench_function(id, |b| {
+                b.iter(|| EncodedLayer::from_bytes(black_box(bytes.clone())).unwrap())
+            });
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(
+    stages,
+    bench_pca,
+    bench_kmeans,
+    bench_wht,
+    bench_quantise_pack
+);
+criterion_group!(layers, bench_block, bench_layer);
+criterion_main!(stages, layers);

@@ -66,6 +66,90 @@ pub fn unpack(bytes: &[u8], count: usize, bits: u32) -> Result<Vec<u16>> {
     Ok(out)
 }
 
+/// Writes values of varying widths (0..=16 bits) into one LSB-first bit stream.
+#[derive(Debug, Default)]
+pub struct BitWriter {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter {
+    /// An empty stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends the low `bits` bits of `v`.
+    #[inline]
+    pub fn put(&mut self, v: u16, bits: u32) {
+        debug_assert!(bits <= 16 && (bits == 16 || (v as u32) < (1 << bits)));
+        self.acc |= (v as u64) << self.n;
+        self.n += bits;
+        while self.n >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n -= 8;
+        }
+    }
+
+    /// The bytes, the last one zero-padded.
+    pub fn finish(mut self) -> Vec<u8> {
+        if self.n > 0 {
+            self.out.push(self.acc as u8);
+        }
+        self.out
+    }
+}
+
+/// Reads a stream written by [`BitWriter`]; `finish` insists on zero padding.
+#[derive(Debug)]
+pub struct BitReader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    acc: u64,
+    n: u32,
+}
+
+impl<'a> BitReader<'a> {
+    /// A reader over exactly the stream's bytes.
+    pub fn new(bytes: &'a [u8]) -> Self {
+        BitReader {
+            bytes,
+            pos: 0,
+            acc: 0,
+            n: 0,
+        }
+    }
+
+    /// The next `bits` bits (`bits <= 16`).
+    #[inline]
+    pub fn get(&mut self, bits: u32) -> Result<u16> {
+        while self.n < bits {
+            let Some(&b) = self.bytes.get(self.pos) else {
+                return Err(Error::Format("bit stream ends early".into()));
+            };
+            self.acc |= (b as u64) << self.n;
+            self.pos += 1;
+            self.n += 8;
+        }
+        let v = (self.acc & ((1u64 << bits) - 1)) as u16;
+        self.acc >>= bits;
+        self.n -= bits;
+        Ok(v)
+    }
+
+    /// Checks that every byte was consumed and the padding bits are zero.
+    pub fn finish(self) -> Result<()> {
+        if self.pos != self.bytes.len() || self.acc != 0 {
+            return Err(Error::Format(
+                "bit stream has trailing or non-zero padding bits".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,6 +164,28 @@ mod tests {
             prop_assert_eq!(buf.len(), 1 + packed_len(vals.len(), bits));
             let back = unpack(&buf[1..], vals.len(), bits).unwrap();
             prop_assert_eq!(back, vals);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn varwidth_roundtrip(items in proptest::collection::vec((0u32..=16, any::<u16>()), 0..200)) {
+            let items: Vec<(u32, u16)> = items
+                .into_iter()
+                .map(|(b, v)| (b, if b == 16 { v } else { (v as u32 & ((1u32 << b) - 1)) as u16 }))
+                .collect();
+            let mut w = BitWriter::new();
+            for &(b, v) in &items {
+                w.put(v, b);
+            }
+            let bytes = w.finish();
+            let total: u32 = items.iter().map(|i| i.0).sum();
+            prop_assert_eq!(bytes.len(), (total as usize).div_ceil(8));
+            let mut r = BitReader::new(&bytes);
+            for &(b, v) in &items {
+                prop_assert_eq!(r.get(b).unwrap(), v);
+            }
+            prop_assert!(r.finish().is_ok());
         }
     }
 

@@ -55,6 +55,31 @@ pub fn assign(c: &[f32], centres: &[f32], d: usize) -> usize {
     best
 }
 
+/// `assign` for every row at once: the `n x k` score matrix is one matrix product.
+pub fn assign_all(coeffs: &[f32], n: usize, d: usize, centres: &[f32], k: usize) -> Vec<usize> {
+    if k == 0 {
+        return vec![0; n];
+    }
+    // scores^T (k x n) = M (k x d, column-major copy) * C^T (the row-major rows, read as d x n).
+    let m = nalgebra::DMatrix::from_row_slice(k, d, &centres[..k * d]);
+    let ct = nalgebra::DMatrixView::from_slice(&coeffs[..n * d], d, n);
+    let scores = m * ct;
+    scores
+        .column_iter()
+        .map(|col| {
+            let mut best = 0;
+            let mut best_v = -1.0f32;
+            for (j, &v) in col.iter().enumerate() {
+                if v.abs() > best_v {
+                    best_v = v.abs();
+                    best = j;
+                }
+            }
+            best
+        })
+        .collect()
+}
+
 /// Fits up to `k` centres to `n` coefficient rows of length `d` with weights `w`.
 pub fn fit(
     coeffs: &[f32],
@@ -120,10 +145,10 @@ pub fn fit(
     for _ in 0..max_iters {
         iters += 1;
         let mut changed = false;
+        let best = assign_all(coeffs, n, d, &centres, k_used);
         for (li, &i) in dirs.iter().enumerate() {
-            let a = assign(&coeffs[i * d..(i + 1) * d], &centres, d);
-            if a != labels[li] {
-                labels[li] = a;
+            if best[i] != labels[li] {
+                labels[li] = best[i];
                 changed = true;
             }
         }

@@ -12,6 +12,8 @@
 //!    transform, then a per-vector scale so the coordinates have unit second moment.
 //! 4. **Lloyd-Max scalar quantisation** ([`lloyd_max`]) with Gaussian or calibrated
 //!    codebooks, and **sparse outliers** ([`outliers`]) for coordinates beyond a threshold.
+//!    With `Allocation::Waterfill`, steps 2-4 become transform coding instead: bits
+//!    are spent per PCA component by reverse water-filling ([`waterfill`]).
 //! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format ([`format`]).
 //!
 //! The pipeline lives in [`codec`]; parameters in [`params`]. The decoder treats every
@@ -29,11 +31,12 @@ pub mod params;
 pub mod pca;
 pub mod rng;
 pub mod rsvd;
+pub mod waterfill;
 pub mod wht;
 
 pub use codec::{
-    decode_layer, encode_block, encode_layer, stage_errors, BlockStats, EncodedBlock, EncodedLayer,
-    SharedBasis, StageErrors,
+    decode_layer, decode_layer_with, encode_block, encode_layer, encode_layer_with, stage_errors,
+    BasisRef, BlockStats, EncodedBlock, EncodedLayer, ExternalBasis, SharedBasis, StageErrors,
 };
 pub use error::{Error, Result};
-pub use params::{CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
+pub use params::{Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};

@@ -192,32 +192,34 @@ fn solve_gaussian(levels_n: usize) -> Vec<f64> {
     lv
 }
 
-/// The Gaussian Lloyd-Max codebook for `bits` in {1, 2, 3, 4, 8} (computed once, cached).
+/// The Gaussian Lloyd-Max codebook for `bits` in 1..=8 (computed once, cached). The
+/// uniform-allocation path accepts 1, 2, 3, 4 and 8; water-filling uses all of them.
 pub fn gaussian(bits: u8) -> Result<&'static Codebook> {
-    static BOOKS: [OnceLock<Codebook>; 5] = [
-        OnceLock::new(),
-        OnceLock::new(),
-        OnceLock::new(),
-        OnceLock::new(),
-        OnceLock::new(),
-    ];
-    let slot = match bits {
-        1 => 0,
-        2 => 1,
-        3 => 2,
-        4 => 3,
-        8 => 4,
-        _ => {
-            return Err(Error::InvalidParams(format!(
-                "no Gaussian codebook for bit_width {bits}"
-            )))
-        }
-    };
-    Ok(BOOKS[slot].get_or_init(|| {
+    static BOOKS: [OnceLock<Codebook>; 8] = [const { OnceLock::new() }; 8];
+    if !(1..=8).contains(&bits) {
+        return Err(Error::InvalidParams(format!(
+            "no Gaussian codebook for bit_width {bits}"
+        )));
+    }
+    Ok(BOOKS[bits as usize - 1].get_or_init(|| {
         let lv = solve_gaussian(1usize << bits);
         Codebook::from_levels(lv.iter().map(|&v| v as f32).collect())
             .expect("Gaussian levels are finite and ascending")
     }))
+}
+
+/// Distortion of the Gaussian Lloyd-Max quantiser for N(0, 1) at `bits` in 0..=8
+/// (`bits = 0` reconstructs the mean: distortion 1). Cached.
+pub fn gaussian_distortion(bits: u8) -> f64 {
+    static TABLE: OnceLock<[f64; 9]> = OnceLock::new();
+    let t = TABLE.get_or_init(|| {
+        let mut t = [1.0f64; 9];
+        for (b, slot) in t.iter_mut().enumerate().skip(1) {
+            *slot = gaussian(b as u8).expect("1..=8 bits").gaussian_distortion();
+        }
+        t
+    });
+    t[bits.min(8) as usize]
 }
 
 #[cfg(test)]
@@ -252,6 +254,15 @@ mod tests {
                 (mse - want).abs() / want < 0.02,
                 "{bits} bits: {mse} vs {want}"
             );
+        }
+    }
+
+    #[test]
+    fn distortion_table_decreases_about_four_fold_per_bit() {
+        assert_eq!(gaussian_distortion(0), 1.0);
+        for b in 1..8u8 {
+            let r = gaussian_distortion(b) / gaussian_distortion(b + 1);
+            assert!(r > 3.0 && r < 4.5, "{b} -> {}: ratio {r}", b + 1);
         }
     }
 

@@ -10,6 +10,9 @@ pub enum PcaMethod {
     Exact,
     /// Halko-Martinsson-Tropp randomized range finder: O(n D r), for large D.
     Randomized,
+    /// No basis: only the block mean is removed (identity basis, `d_eff = D`, nothing
+    /// stored). The cheapest side information; the rotation alone decorrelates.
+    None,
 }
 
 /// The error metric the encoder optimises for.
@@ -23,6 +26,16 @@ pub enum Metric {
     /// only through `q . k`): the per-vector scale makes `<r_hat, r> = |r|^2`, undoing the
     /// shrinkage of MSE quantisers that shrinks attention logits and flattens softmax.
     InnerProduct,
+}
+
+/// How bits are spent on the coefficients of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Skeleton, WHT rotation and `bit_width` bits on every rotated coordinate.
+    Uniform,
+    /// Reverse water-filling over the PCA components (see [`crate::waterfill`]):
+    /// `bits_per_value * head_dim` bits per vector, spent where the variance is.
+    Waterfill,
 }
 
 /// Storage precision of the side information (means, bases, centres).
@@ -101,6 +114,10 @@ pub struct CodecParams {
     /// Calibrated Lloyd-Max centroids (2^bit_width, strictly ascending); `None` uses the
     /// Gaussian codebook.
     pub centroids: Option<Vec<f32>>,
+    /// Uniform bits per rotated coordinate, or water-filling over components.
+    pub allocation: Allocation,
+    /// Water-filling budget in bits per input value (0 < b <= 8).
+    pub bits_per_value: f32,
 }
 
 impl Default for CodecParams {
@@ -122,6 +139,8 @@ impl Default for CodecParams {
             skeleton_dtype: SkeletonDtype::F16,
             seed: 0,
             centroids: None,
+            allocation: Allocation::Uniform,
+            bits_per_value: 2.0,
         }
     }
 }
@@ -177,8 +196,34 @@ impl CodecParams {
         if self.oversample > 1024 || self.power_iters > 64 {
             return invalid("oversample must be <= 1024 and power_iters <= 64".into());
         }
-        if self.pca_method == PcaMethod::Exact && self.target_rank != 0 {
+        if self.pca_method == PcaMethod::None && (self.variance_ratio < 1.0 || self.rank_cap != 0) {
+            return invalid(
+                "pca_method='none' keeps every dimension: variance_ratio must be 1.0 and rank_cap unset"
+                    .into(),
+            );
+        }
+        if self.pca_method != PcaMethod::Randomized && self.target_rank != 0 {
             return invalid("target_rank applies only to pca_method='randomized'".into());
+        }
+        if !(self.bits_per_value > 0.0 && self.bits_per_value <= 8.0) {
+            return invalid(format!(
+                "bits_per_value must be in (0, 8], got {}",
+                self.bits_per_value
+            ));
+        }
+        if self.allocation == Allocation::Waterfill {
+            if self.k != 0 {
+                return invalid(
+                    "allocation='waterfill' codes PCA components directly: set k=0 (no skeleton)"
+                        .into(),
+                );
+            }
+            if self.centroids.is_some() {
+                return invalid(
+                    "allocation='waterfill' uses Gaussian codebooks per component: centroids must be None"
+                        .into(),
+                );
+            }
         }
         if let Some(c) = &self.centroids {
             let want = 1usize << self.bit_width;

@@ -11,7 +11,10 @@ mod common;
 use std::fs;
 use std::path::PathBuf;
 
-use kakeyaturbo::{encode_layer, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
+use kakeyaturbo::{
+    encode_layer, encode_layer_with, Allocation, CodecParams, ExternalBasis, InputDtype, Metric,
+    PcaMethod, SkeletonDtype,
+};
 
 #[test]
 #[ignore = "writes the fuzz seed corpus; run explicitly"]
@@ -137,6 +140,28 @@ fn write_fuzz_seeds() {
             InputDtype::F32,
         ),
         (
+            "pca_none",
+            CodecParams {
+                pca_method: PcaMethod::None,
+                ..base.clone()
+            },
+            20,
+            8,
+            InputDtype::F32,
+        ),
+        (
+            "pca_none_shared",
+            CodecParams {
+                pca_method: PcaMethod::None,
+                share_basis: true,
+                k: 0,
+                ..base.clone()
+            },
+            24,
+            4,
+            InputDtype::F16,
+        ),
+        (
             "wide",
             CodecParams {
                 block_size: 64,
@@ -152,6 +177,33 @@ fn write_fuzz_seeds() {
     for (i, (name, p, n, d, dt)) in variants.into_iter().enumerate() {
         let x = common::kv_like(n, d, 100 + i as u64);
         let enc = encode_layer(&x, n, d, None, &p, dt).unwrap();
+        fs::write(out.join(format!("seed_{name}.bin")), enc.as_bytes()).unwrap();
+    }
+
+    // Water-filling allocation, and a caller-supplied basis (only its fingerprint stored).
+    let (n, d) = (20, 8);
+    let x = common::kv_like(n, d, 200);
+    for (name, alloc) in [
+        ("waterfill", Allocation::Waterfill),
+        ("external", Allocation::Uniform),
+    ] {
+        let p = CodecParams {
+            block_size: 16,
+            k: 0,
+            allocation: alloc,
+            bits_per_value: 2.5,
+            ..Default::default()
+        };
+        let external = (name == "external").then(|| {
+            let d_eff = 4;
+            let mut rows = vec![0.0f32; d_eff * d];
+            for j in 0..d_eff {
+                rows[j * d + j] = 1.0;
+            }
+            ExternalBasis::new(rows, d_eff, d).unwrap()
+        });
+        let enc =
+            encode_layer_with(&x, n, d, None, &p, InputDtype::F32, external.as_ref()).unwrap();
         fs::write(out.join(format!("seed_{name}.bin")), enc.as_bytes()).unwrap();
     }
 }

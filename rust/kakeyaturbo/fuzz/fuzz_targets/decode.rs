@@ -1,6 +1,7 @@
 //! Feeds arbitrary bytes to the decoder. Contract under test: `EncodedLayer::from_bytes`
 //! either fails with a format error or yields a layer that `decode_layer` decodes into
-//! exactly `n_tokens * head_dim` finite values; nothing ever panics.
+//! exactly `n_tokens * head_dim` finite values (or, for a layer that needs an external
+//! basis, refuses with `Error::InvalidParams`); nothing ever panics.
 //!
 //! Every input is tried twice: as given, and with its last four bytes replaced by the
 //! correct CRC-32 of the rest. Without the second pass almost every mutation would stop at
@@ -12,20 +13,32 @@
 
 use std::sync::OnceLock;
 
-use kakeyaturbo::{decode_layer, EncodedLayer};
+use kakeyaturbo::{decode_layer, EncodedLayer, Error};
 use libfuzzer_sys::fuzz_target;
 
 fn allow_nonfinite() -> bool {
     static FLAG: OnceLock<bool> = OnceLock::new();
-    *FLAG.get_or_init(|| std::env::var_os("KAKEYATURBO_FUZZ_ALLOW_NONFINITE").is_some_and(|v| v == "1"))
+    *FLAG.get_or_init(|| {
+        std::env::var_os("KAKEYATURBO_FUZZ_ALLOW_NONFINITE").is_some_and(|v| v == "1")
+    })
 }
 
 fn check(bytes: Vec<u8>) {
     match EncodedLayer::from_bytes(bytes) {
-        Err(e) => assert!(e.is_format_error(), "from_bytes failed with a non-format error: {e:?}"),
+        Err(e) => assert!(
+            e.is_format_error(),
+            "from_bytes failed with a non-format error: {e:?}"
+        ),
         Ok(layer) => {
             let (n, d) = layer.shape();
-            let out = decode_layer(&layer).unwrap_or_else(|e| panic!("validated layer failed to decode: {e:?}"));
+            if layer.external_fingerprint().is_some() {
+                // The basis is not in the bytes: decoding without it must refuse cleanly.
+                let r = decode_layer(&layer);
+                assert!(matches!(r, Err(Error::InvalidParams(_))), "{r:?}");
+                return;
+            }
+            let out = decode_layer(&layer)
+                .unwrap_or_else(|e| panic!("validated layer failed to decode: {e:?}"));
             assert_eq!(out.len(), n * d, "decoded length != n_tokens * head_dim");
             if !allow_nonfinite() {
                 if let Some(i) = out.iter().position(|v| !v.is_finite()) {

@@ -302,3 +302,200 @@ proptest! {
         prop_assert!(e < bound, "n={} d={} bits={} err={}", n, d, bits, e);
     }
 }
+
+#[test]
+fn pca_none_stores_no_basis_and_roundtrips() {
+    let (n, d) = (1024, 64);
+    let x = kv_like(n, d, 12);
+    let none = CodecParams {
+        pca_method: PcaMethod::None,
+        k: 0,
+        bit_width: 3,
+        ..Default::default()
+    };
+    let exact = CodecParams {
+        pca_method: PcaMethod::Exact,
+        ..none.clone()
+    };
+    let (yn, en) = roundtrip(&x, n, d, &none);
+    let (_, ee) = roundtrip(&x, n, d, &exact);
+    assert_eq!(en.stats()[0].d_eff, d);
+    // Two blocks' D x D fp16 bases are not stored.
+    let outl = |e: &EncodedLayer| {
+        e.stats()
+            .iter()
+            .map(|s| s.n_outliers as isize)
+            .sum::<isize>()
+    };
+    let diff = ee.nbytes() as isize - en.nbytes() as isize;
+    assert_eq!(diff, 2 * (d * d * 2) as isize + 6 * (outl(&ee) - outl(&en)));
+    assert!(rel_err(&x, &yn) < 0.2);
+    let back = EncodedLayer::from_bytes(en.as_bytes().to_vec()).unwrap();
+    assert_eq!(decode_layer(&back).unwrap(), yn);
+    let bad = CodecParams {
+        variance_ratio: 0.9,
+        ..none
+    };
+    assert!(bad.validate().is_err());
+}
+
+fn waterfill(bpv: f32) -> CodecParams {
+    CodecParams {
+        allocation: Allocation::Waterfill,
+        bits_per_value: bpv,
+        k: 0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn waterfill_error_falls_with_budget_and_beats_uniform_at_equal_bytes() {
+    let (n, d) = (1024, 64);
+    let x = kv_like(n, d, 13);
+    let mut last = f64::INFINITY;
+    for bpv in [0.5f32, 1.0, 2.0, 3.0, 4.0] {
+        let (y, enc) = roundtrip(&x, n, d, &waterfill(bpv));
+        let e = rel_err(&x, &y);
+        assert!(e < last, "{bpv} bits: {e}");
+        last = e;
+        let s = &enc.stats()[0];
+        assert_eq!(s.d_eff, d);
+    }
+    // Same budget of code bits per vector (2 * 64): water-filling wins on a decaying spectrum.
+    let uniform = CodecParams {
+        bit_width: 2,
+        k: 0,
+        ..Default::default()
+    };
+    let (yu, eu) = roundtrip(&x, n, d, &uniform);
+    let (yw, ew) = roundtrip(&x, n, d, &waterfill(2.0));
+    assert!(ew.nbytes() <= eu.nbytes());
+    assert!(
+        rel_err(&x, &yw) < 0.8 * rel_err(&x, &yu),
+        "{} vs {}",
+        rel_err(&x, &yw),
+        rel_err(&x, &yu)
+    );
+}
+
+#[test]
+fn waterfill_bytes_are_accounted_exactly() {
+    let (n, d) = (300, 16);
+    let x = kv_like(n, d, 14);
+    let p = CodecParams {
+        outlier_threshold: f32::INFINITY,
+        pca_method: PcaMethod::None,
+        ..waterfill(1.5)
+    };
+    let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+    // header + block header + mean (16 f16) + sigma (16 f16) + 16 nibbles + codes + crc;
+    // 1.5 bits/value * 16 = 24 bits per vector.
+    let want = crate::format::HEADER_LEN + 20 + 32 + 32 + 8 + (300 * 24usize).div_ceil(8) + 4;
+    assert_eq!(enc.nbytes(), want);
+}
+
+#[test]
+fn inner_product_waterfill_removes_shrinkage() {
+    let (n, d) = (1024, 32);
+    let x = kv_like(n, d, 15);
+    let bias = |metric| {
+        let (y, _) = roundtrip(
+            &x,
+            n,
+            d,
+            &CodecParams {
+                metric,
+                ..waterfill(1.0)
+            },
+        );
+        let mean: Vec<f64> = (0..d)
+            .map(|j| (0..n).map(|i| x[i * d + j] as f64).sum::<f64>() / n as f64)
+            .collect();
+        let (mut xy, mut xx) = (0.0, 0.0);
+        for i in 0..n {
+            for j in 0..d {
+                let (a, b) = (x[i * d + j] as f64 - mean[j], y[i * d + j] as f64 - mean[j]);
+                xy += a * b;
+                xx += a * a;
+            }
+        }
+        (xy / xx - 1.0).abs()
+    };
+    assert!(bias(Metric::InnerProduct) < bias(Metric::Mse));
+}
+
+#[test]
+fn external_basis_is_not_stored_and_must_match() {
+    let (n, d) = (1024, 32);
+    let x = kv_like(n, d, 16);
+    let fit = crate::pca::fit_exact(&x, n, d, None, 1.0, d).unwrap();
+    let basis = ExternalBasis::new(fit.basis.clone(), d, d).unwrap();
+    let p = waterfill(2.0);
+    let with = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, Some(&basis)).unwrap();
+    let own = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+    assert!(with.nbytes() + 2 * d * d * 2 - 12 - 200 <= own.nbytes());
+    assert_eq!(with.external_fingerprint(), Some(basis.fingerprint()));
+    assert!(matches!(decode_layer(&with), Err(Error::InvalidParams(_))));
+    let mut other = fit.basis.clone();
+    other.swap(0, d); // swap two entries: a different (non-orthonormal) basis is rejected
+    assert!(ExternalBasis::new(other, d, d).is_err());
+    let mut flipped = fit.basis.clone();
+    flipped[..d].iter_mut().for_each(|v| *v = -*v);
+    let wrong = ExternalBasis::new(flipped, d, d).unwrap();
+    assert!(matches!(
+        decode_layer_with(&with, Some(&wrong)),
+        Err(Error::InvalidParams(_))
+    ));
+    let y = decode_layer_with(&with, Some(&basis)).unwrap();
+    assert!(rel_err(&x, &y) < 0.15);
+    let back = EncodedLayer::from_bytes(with.as_bytes().to_vec()).unwrap();
+    assert_eq!(decode_layer_with(&back, Some(&basis)).unwrap(), y);
+    assert!(ExternalBasis::new(vec![1.0; 4], 2, 2).is_err());
+}
+
+#[test]
+fn corrupt_waterfill_bytes_never_panic() {
+    let (n, d) = (300, 16);
+    let x = kv_like(n, d, 17);
+    let fit = crate::pca::fit_exact(&x, n, d, None, 1.0, d).unwrap();
+    let basis = ExternalBasis::new(fit.basis, d, d).unwrap();
+    let p = CodecParams {
+        block_size: 128,
+        outlier_threshold: 2.5,
+        ..waterfill(1.7)
+    };
+    for ext in [None, Some(&basis)] {
+        let enc = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, ext).unwrap();
+        let good = enc.as_bytes().to_vec();
+        for cut in 0..good.len() {
+            assert!(EncodedLayer::from_bytes(good[..cut].to_vec()).is_err());
+        }
+        let mut g = SplitMix64::new(3, 4);
+        for _ in 0..2000 {
+            let mut b = good.clone();
+            let i = g.below(b.len());
+            b[i] ^= 1 << g.below(8);
+            assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn waterfill_roundtrip_is_bounded(
+        n in 1usize..80, d in 1usize..24, bpv in 0.25f32..6.0, seed in any::<u64>(),
+        none in any::<bool>(),
+    ) {
+        let x = kv_like(n, d, seed);
+        let pca_method = if none { PcaMethod::None } else { PcaMethod::Exact };
+        let p = CodecParams { block_size: 32, seed, pca_method, ..waterfill(bpv) };
+        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let y = decode_layer(&enc).unwrap();
+        let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
+        prop_assert_eq!(decode_layer(&back).unwrap(), y.clone());
+        // Below one bit per value some components get no bits: error <= the signal itself.
+        prop_assert!(rel_err(&x, &y) < 1.0);
+        prop_assert!(y.iter().all(|v| v.is_finite()));
+    }
+}

@@ -4,15 +4,17 @@
 use half::{bf16, f16};
 
 use super::{
-    BLOCK_HEADER_LEN, CRC_LEN, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN, KNOWN_FLAGS, MAGIC,
-    MAX_TOKENS,
+    BLOCK_HEADER_LEN, CRC_LEN, FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN,
+    KNOWN_FLAGS, MAGIC, MAX_TOKENS,
 };
-use crate::bitpack::{packed_len, unpack};
+use crate::bitpack::{packed_len, unpack, BitReader};
 use crate::codec::{label_bits, EncodedBlock, SharedBasis};
 use crate::error::{Error, Result};
 use crate::params::{
-    CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype, MAX_BLOCK_SIZE, MAX_HEAD_DIM,
+    Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype, MAX_BLOCK_SIZE,
+    MAX_HEAD_DIM,
 };
+use crate::waterfill::MAX_COMPONENT_BITS;
 use crate::wht::padded_len;
 
 /// A block as read from the wire (codes unpacked).
@@ -31,6 +33,8 @@ pub struct ParsedLayer {
     pub input_dtype: InputDtype,
     /// The shared basis, if the layer has one.
     pub shared: Option<SharedBasis>,
+    /// `(d_eff, fingerprint)` of the caller-supplied basis the layer needs, if any.
+    pub external: Option<(usize, u64)>,
     /// The blocks in token order.
     pub blocks: Vec<ParsedBlock>,
 }
@@ -184,6 +188,7 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
     let pca_method = match c.u8()? {
         0 => PcaMethod::Exact,
         1 => PcaMethod::Randomized,
+        2 => PcaMethod::None,
         m => return bad(format!("unknown pca method code {m}")),
     };
     let custom = match c.u8()? {
@@ -211,7 +216,21 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         seed: c.u64()?,
         share_basis: flags & FLAG_SHARED_BASIS != 0,
         centroids: None,
+        allocation: match c.u8()? {
+            0 => Allocation::Uniform,
+            1 => Allocation::Waterfill,
+            a => return bad(format!("unknown allocation code {a}")),
+        },
+        bits_per_value: {
+            if c.take(3)? != [0, 0, 0] {
+                return bad("reserved header bytes are not zero");
+            }
+            c.f32()?
+        },
     };
+    if params.share_basis && flags & FLAG_EXTERNAL_BASIS != 0 {
+        return bad("shared and external basis flags are exclusive");
+    }
     // validate() bounds every count below by its limit (block size, k, ranks).
     params
         .validate()
@@ -242,15 +261,29 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         ));
     }
     let max_rank = params.max_rank(head_dim);
+    // pca_method 'none' stores no basis rows: the identity, with d_eff = head_dim.
+    let identity = params.pca_method == PcaMethod::None;
+    let basis_len = |d_eff: usize| if identity { 0 } else { d_eff * head_dim };
     let s = sk_dtype;
     let shared = if params.share_basis {
         let d_eff = c.u32()?;
-        if d_eff == 0 || d_eff > max_rank {
+        if d_eff == 0 || d_eff > max_rank || (identity && d_eff != head_dim) {
             return bad(format!("shared d_eff {d_eff} outside 1..={max_rank}"));
         }
         let mean = c.skeleton(head_dim, s, "shared mean")?;
-        let basis = c.skeleton(d_eff * head_dim, s, "shared basis")?;
+        let basis = c.skeleton(basis_len(d_eff), s, "shared basis")?;
         Some(SharedBasis { d_eff, mean, basis })
+    } else {
+        None
+    };
+    let external = if flags & FLAG_EXTERNAL_BASIS != 0 {
+        let d_eff = c.u32()?;
+        if d_eff == 0 || d_eff > head_dim {
+            return bad(format!(
+                "external basis d_eff {d_eff} outside 1..={head_dim}"
+            ));
+        }
+        Some((d_eff, c.u64()?))
     } else {
         None
     };
@@ -276,13 +309,14 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         let k_used = c.u32()?;
         let n_outliers = c.u32()?;
         let kmeans_iters = c.u32()?;
-        match &shared {
-            Some(sb) if d_eff != sb.d_eff => {
+        let fixed_d_eff = shared.as_ref().map(|sb| sb.d_eff).or(external.map(|e| e.0));
+        match fixed_d_eff {
+            Some(fd) if d_eff != fd => {
                 return bad(format!(
-                    "block {bi}: d_eff {d_eff} differs from shared basis"
+                    "block {bi}: d_eff {d_eff} differs from the layer basis"
                 ))
             }
-            _ if d_eff == 0 || d_eff > max_rank => {
+            None if d_eff == 0 || d_eff > max_rank || (identity && d_eff != head_dim) => {
                 return bad(format!("block {bi}: d_eff {d_eff} outside 1..={max_rank}"))
             }
             _ => {}
@@ -297,67 +331,52 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
                 "block {bi}: k-means iteration count exceeds the limit"
             ));
         }
-        let w = padded_len(d_eff);
-        let n_codes = n * w;
-        if n_outliers > n_codes {
-            return bad(format!("block {bi}: more outliers than coordinates"));
-        }
-        let (mean, basis) = if shared.is_none() {
-            (
-                c.skeleton(head_dim, s, "block mean")?,
-                c.skeleton(d_eff * head_dim, s, "block basis")?,
-            )
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let centres = c.skeleton(k_used * d_eff, s, "centres")?;
-        let lb = label_bits(k_used);
-        let labels = if lb > 0 {
-            let raw = c.take(packed_len(n, lb))?;
-            let l = unpack(raw, n, lb)?;
-            if l.iter().any(|&v| v as usize >= k_used) {
-                return bad(format!("block {bi}: centre label out of range"));
-            }
-            l
-        } else if k_used == 1 {
-            vec![0; n]
+        let mean = if shared.is_none() {
+            c.skeleton(head_dim, s, "block mean")?
         } else {
             Vec::new()
         };
-        let t = if k_used > 0 {
-            c.f16s(n, "t")?
+        let basis = if shared.is_none() && external.is_none() {
+            c.skeleton(basis_len(d_eff), s, "block basis")?
         } else {
             Vec::new()
         };
-        let scales = c.f16s(n, "scales")?;
-        let raw = c.take(packed_len(n_codes, bit_width as u32))?;
-        let codes = unpack(raw, n_codes, bit_width as u32)?;
-        let raw = c.array(n_outliers, 6, "outliers")?;
-        let mut outliers = Vec::with_capacity(n_outliers);
-        let mut last: Option<u32> = None;
-        for o in raw.chunks_exact(6) {
-            let pos = u32::from_le_bytes(o[..4].try_into().unwrap());
-            let v = f16::from_le_bytes([o[4], o[5]]);
-            if pos as usize >= n_codes || last.is_some_and(|l| pos <= l) || !v.is_finite() {
-                return bad(format!("block {bi}: invalid outlier entry"));
-            }
-            last = Some(pos);
-            outliers.push((pos, v));
-        }
-        blocks.push(EncodedBlock {
+        let mut block = EncodedBlock {
             n,
             d_eff,
             kmeans_iters: kmeans_iters as u32,
             mean,
             basis,
             k_used,
-            centres,
-            labels,
-            t,
-            scales,
-            codes,
-            outliers,
-        });
+            centres: Vec::new(),
+            labels: Vec::new(),
+            t: Vec::new(),
+            scales: Vec::new(),
+            codes: Vec::new(),
+            outliers: Vec::new(),
+            sigma: Vec::new(),
+            comp_bits: Vec::new(),
+        };
+        let n_coords = match params.allocation {
+            Allocation::Uniform => read_uniform_body(&mut c, &mut block, s, bit_width, bi)?,
+            Allocation::Waterfill => read_waterfill_body(&mut c, &mut block, bi)?,
+        };
+        if n_outliers > n_coords {
+            return bad(format!("block {bi}: more outliers than coordinates"));
+        }
+        let raw = c.array(n_outliers, 6, "outliers")?;
+        let mut last: Option<u32> = None;
+        block.outliers.reserve(n_outliers);
+        for o in raw.chunks_exact(6) {
+            let pos = u32::from_le_bytes(o[..4].try_into().unwrap());
+            let v = f16::from_le_bytes([o[4], o[5]]);
+            if pos as usize >= n_coords || last.is_some_and(|l| pos <= l) || !v.is_finite() {
+                return bad(format!("block {bi}: invalid outlier entry"));
+            }
+            last = Some(pos);
+            block.outliers.push((pos, v));
+        }
+        blocks.push(block);
     }
     if c.pos != body.len() {
         return bad(format!(
@@ -371,6 +390,76 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         head_dim,
         input_dtype: in_dtype,
         shared,
+        external,
         blocks,
     })
+}
+
+/// Skeleton, scales and fixed-width codes; returns the number of coded coordinates.
+fn read_uniform_body(
+    c: &mut Cursor<'_>,
+    b: &mut EncodedBlock,
+    s: SkeletonDtype,
+    bit_width: u8,
+    bi: usize,
+) -> Result<usize> {
+    let (n, d_eff, k_used) = (b.n, b.d_eff, b.k_used);
+    b.centres = c.skeleton(k_used * d_eff, s, "centres")?;
+    let lb = label_bits(k_used);
+    b.labels = if lb > 0 {
+        let raw = c.take(packed_len(n, lb))?;
+        let l = unpack(raw, n, lb)?;
+        if l.iter().any(|&v| v as usize >= k_used) {
+            return bad(format!("block {bi}: centre label out of range"));
+        }
+        l
+    } else if k_used == 1 {
+        vec![0; n]
+    } else {
+        Vec::new()
+    };
+    if k_used > 0 {
+        b.t = c.f16s(n, "t")?;
+    }
+    b.scales = c.f16s(n, "scales")?;
+    let n_codes = n * padded_len(d_eff);
+    let raw = c.take(packed_len(n_codes, bit_width as u32))?;
+    b.codes = unpack(raw, n_codes, bit_width as u32)?;
+    Ok(n_codes)
+}
+
+/// Component scales and bits, then variable-width codes; returns `n * d_eff`.
+fn read_waterfill_body(c: &mut Cursor<'_>, b: &mut EncodedBlock, bi: usize) -> Result<usize> {
+    let (n, d_eff) = (b.n, b.d_eff);
+    if b.k_used != 0 {
+        return bad(format!("block {bi}: water-filled blocks have no skeleton"));
+    }
+    b.sigma = c.f16s(d_eff, "sigma")?;
+    if b.sigma.iter().any(|v| v.to_f32() < 0.0) {
+        return bad(format!("block {bi}: negative component scale"));
+    }
+    let raw = c.take(packed_len(d_eff, 4))?;
+    b.comp_bits = unpack(raw, d_eff, 4)?.iter().map(|&v| v as u8).collect();
+    if b.comp_bits.iter().any(|&v| v > MAX_COMPONENT_BITS) {
+        return bad(format!(
+            "block {bi}: component bit count above {MAX_COMPONENT_BITS}"
+        ));
+    }
+    let coded: Vec<u32> = b
+        .comp_bits
+        .iter()
+        .filter(|&&v| v > 0)
+        .map(|&v| v as u32)
+        .collect();
+    let per_vector: usize = coded.iter().map(|&v| v as usize).sum();
+    let raw = c.take((n * per_vector).div_ceil(8))?;
+    let mut r = BitReader::new(raw);
+    b.codes = Vec::with_capacity(n * coded.len());
+    for _ in 0..n {
+        for &bits in &coded {
+            b.codes.push(r.get(bits)?);
+        }
+    }
+    r.finish()?;
+    Ok(n * d_eff)
 }

@@ -1,0 +1,247 @@
+"""Generation speed and KV-cache bytes on a local HF model: DynamicCache vs KakeyaCache vs
+transformers' QuantizedCache, at several context lengths, measured in one run.
+
+    .venv/bin/python benches/hf_generate.py                      # kt-ref-a, 1k and 4k context
+    .venv/bin/python benches/hf_generate.py --model PATH --contexts 1024 4032 --new-tokens 64
+
+For each context length every method prefills the same WikiText-2 tokens and greedily
+generates `--new-tokens` tokens with `model.generate`. A logits processor timestamps each
+step, so prefill time and decode tokens/s come from the same call. KV bytes are measured after
+generation by walking the tensors (and encoded blocks) each cache holds; `match` is the share of
+generated tokens equal to DynamicCache's.
+
+KakeyaCache variants (the design choice, see kakeyaturbo/hf/layer.py):
+- `kakeya` (decoded_cache_bytes=0, the default): holds only compressed blocks, the exact hot
+  window and the sinks; every step decodes every block of a layer in one batched, multi-core
+  Rust call (QuantizedCache dequantises everything every step too, in torch).
+- `kakeya+budget=Fxdense`: an explicit decoded-cache budget of F x DynamicCache's bytes. A layer
+  whose whole decoded copy fits keeps one contiguous decoded buffer: each block is decoded once,
+  the step after it is compressed, new tokens are written in place and attention gets views, so
+  a step costs neither a decode nor the O(L) copy DynamicCache's torch.cat makes. Layers that do
+  not fit keep single decoded blocks while the budget lasts and decode the rest every step.
+  Everything kept counts in the KV bytes shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT / ".." / "shared" / "models" / "kt-ref-a"
+DEFAULT_TEXT = ROOT / ".." / "shared" / "data" / "wikitext-2-raw-test.txt"
+# optimum-quanto JIT-builds its CPU kernels with ninja, which pip puts next to the interpreter.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage bytes of a tensor, looking inside wrapper subclasses (quanto's QTensors)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.untyped_storage().nbytes()
+
+
+def held_bytes(obj) -> int:
+    """Bytes held by a cache: tensor storages (deduplicated) + kakeyaturbo encoded blocks."""
+    import kakeyaturbo as kt
+
+    seen, storages, total = set(), {}, 0
+
+    def walk(x):
+        nonlocal total
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            if hasattr(x, "__tensor_flatten__") and type(x) is not torch.Tensor:
+                total += tensor_bytes(x)
+            else:
+                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, kt.EncodedLayer):
+            total += x.nbytes
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif type(x).__module__.startswith(("kakeyaturbo.hf", "transformers.cache_utils")):
+            for y in vars(x).values():
+                walk(y)
+
+    walk(obj)
+    return total + sum(storages.values())
+
+
+class StepClock:
+    """Logits processor that only records when each generation step's logits arrive."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def quantized_backend(model, ids) -> tuple[str | None, str]:
+    """The first transformers QuantizedCache backend that works here, or (None, why not)."""
+    from transformers import QuantizedCache
+
+    errors = []
+    for backend in ("quanto", "hqq"):
+        try:
+            cache = QuantizedCache(backend=backend, config=model.config, nbits=4)
+            with torch.inference_mode():
+                model.generate(
+                    ids[:, :40], past_key_values=cache, max_new_tokens=2, do_sample=False
+                )
+            return backend, ""
+        except Exception as exc:  # noqa: BLE001 - report any backend failure and move on
+            errors.append(f"{backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    return None, "; ".join(errors)
+
+
+def run(model, ids, make_cache, new_tokens: int):
+    from transformers import LogitsProcessorList
+
+    cache = make_cache()
+    clock = StepClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    prefill = clock.stamps[0] - start
+    decode_tps = (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0])
+    return out[0, ids.shape[1] :], prefill, decode_tps, held_bytes(cache), cache
+
+
+def kakeya_factory(model, budget_bytes: int):
+    from kakeyaturbo.hf import KakeyaCache
+
+    def make():
+        return KakeyaCache.from_model(model, decoded_cache_bytes=budget_bytes)
+
+    return make
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4032])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--budgets",
+        type=float,
+        nargs="+",
+        default=[0, 0.5, float("inf")],
+        help="KakeyaCache decoded-block budgets as fractions of DynamicCache's KV bytes (0: none)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a small shared box OpenMP spin-waits against the "
+        "codec's worker threads and multi-threaded timings mean little; 0 = torch's default)",
+    )
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
+
+    import kakeyaturbo as kt
+    from kakeyaturbo.hf import KakeyaCache, default_kv_params
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    need = max(args.contexts)
+    text = args.text.read_text(encoding="utf-8")
+    all_ids = tok(text[: 8 * need], return_tensors="pt").input_ids
+    if all_ids.shape[1] < need:
+        raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
+    backend, why = quantized_backend(model, all_ids)
+    k, v = default_kv_params()
+
+    threads = torch.get_num_threads()
+    print(f"model {args.model.name}, torch threads {threads}, kakeyaturbo {kt.__version__}")
+    print(f"kakeya recipe: K {k.to_dict()}\n               V {v.to_dict()}")
+    qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
+    print(f"quantized cache: {qdesc}")
+
+    rows = []
+    for ctx in args.contexts:
+        ids = all_ids[:, :ctx]
+        methods = [("DynamicCache", lambda: DynamicCache(config=model.config))]
+        if backend:
+            methods.append(
+                (
+                    f"QuantizedCache({backend},4b)",
+                    lambda: QuantizedCache(backend=backend, config=model.config, nbits=4),
+                )
+            )
+        methods += [("kakeya" if f == 0 else f"kakeya+budget={f:g}xdense", f) for f in args.budgets]
+        ref = dense = base_tps = None
+        for name, make in methods:
+            if not callable(make):  # a decoded budget, as a fraction of DynamicCache's bytes here
+                budget = (
+                    0 if make == 0 else (1 << 40 if make == float("inf") else int(make * dense))
+                )
+                make = kakeya_factory(model, budget)
+            run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
+            gen, prefill, tps, nbytes, cache = run(model, ids, make, args.new_tokens)
+            if ref is None:
+                ref, dense, base_tps = gen, nbytes, tps
+            match = (gen == ref).float().mean().item()
+            note = ""
+            if isinstance(cache, KakeyaCache):
+                rep = cache.memory_report()
+                assert rep["total_bytes"] == nbytes, (rep["total_bytes"], nbytes)
+                note = f"decoded {rep['decoded_cache_bytes'] / 2**20:.2f} MiB"
+            rows.append(
+                (ctx, name, prefill, tps, tps / base_tps, nbytes, dense / nbytes, match, note)
+            )
+            print(f"  ctx {ctx:5d} {name:28s} done", flush=True)
+
+    print()
+    head = (
+        f"{'ctx':>5} {'method':28s} {'prefill s':>9} {'decode tok/s':>12} {'vs dyn':>7} "
+        f"{'KV MiB':>8} {'KV ratio':>8} {'match':>6}  note"
+    )
+    print(head)
+    print("-" * len(head))
+    for ctx, name, prefill, tps, speed, nbytes, ratio, match, note in rows:
+        print(
+            f"{ctx:5d} {name:28s} {prefill:9.3f} {tps:12.1f} {speed:7.2f} "
+            f"{nbytes / 2**20:8.2f} {ratio:8.2f} {match:6.2f}  {note}"
+        )
+    print(
+        "\nKV ratio = DynamicCache bytes / method bytes (same tokens); "
+        "vs dyn = decode tok/s / DynamicCache's; match = generated tokens equal to DynamicCache's."
+    )
+    for ctx in args.contexts:
+        q = next((r for r in rows if r[0] == ctx and r[1].startswith("QuantizedCache")), None)
+        if q is None:
+            continue
+        for r in (r for r in rows if r[0] == ctx and r[1].startswith("kakeya")):
+            print(
+                f"ctx {ctx}: {r[1]}: {r[3] / q[3]:.2f}x QuantizedCache's decode tok/s, "
+                f"KV ratio {r[6]:.2f} vs its {q[6]:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The calibration bundle on disk: ``calibration.json`` (version, model fingerprint, how it
+was made) and ``tensors.safetensors`` (float32 matrices per layer and KV head)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+BUNDLE_VERSION = 1
+_META = "calibration.json"
+_TENSORS = "tensors.safetensors"
+# Tensors every bundle holds, each [layers, kv_heads, ...].
+TENSOR_NAMES = (
+    "q_second_moment",  # E[q q^T] of pre-RoPE queries, pooled over the GQA group  [L,H,D,D]
+    "k_whiten",  # lower Cholesky factor L of the (ridged) query second moment    [L,H,D,D]
+    "k_transform",  # L @ U_k: pre-RoPE key (row) -> whitened PCA coordinates       [L,H,D,D]
+    "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
+    "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
+    "v_transform",  # U_v: value -> PCA coordinates                                  [L,H,D,D]
+    "v_variances",  # variances of the value PCA coordinates, descending            [L,H,D]
+)
+
+
+class CalibrationError(ValueError):
+    """A bundle is missing, malformed, of another version, or for another model."""
+
+
+def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
+    """What a bundle must match: architecture and shapes, plus a hash of the first layer's
+    key projection so that two checkpoints of one architecture are told apart."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    fp = {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "num_attention_heads": int(cfg.num_attention_heads),
+        "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None)
+                                   or cfg.num_attention_heads),
+        "head_dim": int(head_dim),
+        "hidden_size": int(cfg.hidden_size),
+    }
+    model = model_or_config if hasattr(model_or_config, "model") else None
+    if model is not None:
+        w = model.model.layers[0].self_attn.k_proj.weight.detach().float().cpu().numpy()
+        fp["k_proj0_sha256"] = hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
+    return fp
+
+
+@dataclass
+class Calibration:
+    """A loaded (or freshly fitted) calibration bundle."""
+
+    fingerprint: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.fingerprint["num_hidden_layers"])
+
+    def save(self, out_dir: str | Path) -> Path:
+        from safetensors.numpy import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.tensors.items()},
+                  str(out / _TENSORS))
+        meta = {"version": BUNDLE_VERSION, "fingerprint": self.fingerprint, **self.meta}
+        (out / _META).write_text(json.dumps(meta, indent=2) + "\n")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensors as stored (float32); report it beside any ratio that uses it."""
+        return int(sum(v.size * 4 for v in self.tensors.values()))
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path, model: Any = None) -> Calibration:
+        """Reads a bundle; with ``model`` (or its config), checks it was made for that model."""
+        from safetensors.numpy import load_file
+
+        d = Path(bundle_dir)
+        if not (d / _META).is_file() or not (d / _TENSORS).is_file():
+            raise CalibrationError(f"{d} is not a calibration bundle (needs {_META} and {_TENSORS})")
+        try:
+            meta = json.loads((d / _META).read_text())
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"{d / _META}: not valid JSON ({e})") from None
+        version = meta.pop("version", None)
+        if version != BUNDLE_VERSION:
+            raise CalibrationError(
+                f"{d}: bundle version {version!r}, this build reads version {BUNDLE_VERSION}")
+        fingerprint = meta.pop("fingerprint", None)
+        if not isinstance(fingerprint, dict):
+            raise CalibrationError(f"{d}: no model fingerprint")
+        tensors = load_file(str(d / _TENSORS))
+        calib = cls(fingerprint=fingerprint, tensors=tensors, meta=meta)
+        calib._check_tensors()
+        if model is not None:
+            calib.check_model(model)
+        return calib
+
+    def _check_tensors(self) -> None:
+        fp = self.fingerprint
+        L, H, D = fp["num_hidden_layers"], fp["num_key_value_heads"], fp["head_dim"]
+        for name in TENSOR_NAMES:
+            if name not in self.tensors:
+                raise CalibrationError(f"bundle lacks tensor {name!r}")
+            want = (L, H, D) if name.endswith("variances") else (L, H, D, D)
+            if tuple(self.tensors[name].shape) != want:
+                raise CalibrationError(
+                    f"tensor {name!r} has shape {self.tensors[name].shape}, expected {want}")
+            if not np.isfinite(self.tensors[name]).all():
+                raise CalibrationError(f"tensor {name!r} holds NaN or Inf")
+
+    def check_model(self, model: Any) -> None:
+        """Raises CalibrationError naming every field where the model differs."""
+        have = model_fingerprint(model)
+        diffs = [f"{k}: bundle {self.fingerprint.get(k)!r}, model {v!r}"
+                 for k, v in have.items() if k in self.fingerprint and self.fingerprint[k] != v]
+        missing = [k for k in have if k not in self.fingerprint and k != "k_proj0_sha256"]
+        if diffs or missing:
+            raise CalibrationError(
+                "calibration bundle was made for another model: " + "; ".join(diffs + missing))
+
+    def layer_bits(self, stream: str) -> Optional[list[float]]:
+        """Per-layer bits_per_value chosen by the sensitivity scan, if the bundle has one."""
+        plan = self.meta.get("layer_bits")
+        return None if plan is None else [float(b) for b in plan[stream]]

@@ -1,0 +1,34 @@
+"""``kakeyaturbo calibrate``: fit a calibration bundle for a local model."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="fit a calibration bundle (query-aware key frames, bases)")
+    p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
+    p.add_argument("--text", required=True, type=Path,
+                   help="calibration text (never the evaluation text)")
+    p.add_argument("--out", required=True, type=Path, help="bundle folder to write")
+    p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens")
+    p.add_argument("--ctx", type=int, default=1024, help="window length of each forward pass")
+    p.add_argument("--ridge", type=float, default=1e-3,
+                   help="ridge added to the query second moment, relative to its mean eigenvalue")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..capture import load_model
+    from .fit import calibrate
+
+    model, tok = load_model(args.model)
+    calib = calibrate(model, tok, args.text, tokens=args.tokens, ctx=args.ctx, ridge=args.ridge,
+                      command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    out = calib.save(args.out)
+    print(f"wrote calibration bundle {out} ({calib.meta['tokens']} tokens, "
+          f"{calib.nbytes / 1e6:.2f} MB of tensors)")
+    return 0

@@ -1,0 +1,137 @@
+"""Fitting a calibration bundle: one pass over calibration text accumulates, per layer and
+KV head, the second moments of pre-RoPE queries, keys and values; the bases follow from
+them in closed form (so no second pass over the text is needed)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .bundle import Calibration, model_fingerprint
+
+
+def _pre_rope_modules(attn) -> tuple[Any, Any, Any]:
+    """Modules whose outputs are the pre-RoPE q, k and v (q_norm/k_norm where present)."""
+    q = getattr(attn, "q_norm", None) or attn.q_proj
+    k = getattr(attn, "k_norm", None) or attn.k_proj
+    return q, k, attn.v_proj
+
+
+class _Moments:
+    """Running sums for one layer: sum x x^T per KV head for q (pooled), k and v, and sums."""
+
+    def __init__(self, heads: int, d: int):
+        self.qq = np.zeros((heads, d, d))
+        self.kk = np.zeros((heads, d, d))
+        self.vv = np.zeros((heads, d, d))
+        self.k = np.zeros((heads, d))
+        self.v = np.zeros((heads, d))
+        self.nq = 0
+        self.n = 0
+
+    def add(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int) -> None:
+        # q: [T, Hq, D] -> pooled per KV head; k, v: [T, H, D]
+        t, hq, d = q.shape
+        qg = q.reshape(t, hq // group, group, d).transpose(1, 0, 2, 3).reshape(hq // group, -1, d)
+        self.qq += np.einsum("hnd,hne->hde", qg, qg)
+        self.kk += np.einsum("thd,the->hde", k, k)
+        self.vv += np.einsum("thd,the->hde", v, v)
+        self.k += k.sum(0)
+        self.v += v.sum(0)
+        self.nq += t * group
+        self.n += t
+
+
+def collect_moments(model, token_ids: list[int], ctx: int = 1024,
+                    progress: bool = True) -> list[_Moments]:
+    """Runs ``token_ids`` through the model in windows of ``ctx`` tokens."""
+    import torch
+
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    layers = model.model.layers
+    moments = [_Moments(hkv, d) for _ in layers]
+    current: dict[tuple[int, str], np.ndarray] = {}
+    hooks = []
+    for li, layer in enumerate(layers):
+        for name, mod in zip("qkv", _pre_rope_modules(layer.self_attn)):
+            def hook(_m, _i, out, li=li, name=name):
+                current[(li, name)] = out.detach()[0].double().reshape(out.shape[1], -1, d).numpy()
+            hooks.append(mod.register_forward_hook(hook))
+    windows = [token_ids[i:i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
+    try:
+        with torch.no_grad():
+            for w in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
+                model(torch.tensor([w]))
+                for li in range(len(layers)):
+                    moments[li].add(current[(li, "q")], current[(li, "k")], current[(li, "v")],
+                                    hq // hkv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return moments
+
+
+def _eig_desc(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lam, u = np.linalg.eigh((c + c.T) / 2)
+    order = np.argsort(lam)[::-1]
+    return np.maximum(lam[order], 0.0), u[:, order]
+
+
+def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.ndarray]:
+    """Closed-form bases from the moments (see transforms.py for the frames)."""
+    out: dict[str, list] = {k: [] for k in ("q_second_moment", "k_whiten", "k_transform",
+                                           "k_inverse", "k_variances", "v_transform",
+                                           "v_variances")}
+    for m in moments:
+        per = {k: [] for k in out}
+        for h in range(m.qq.shape[0]):
+            d = m.qq.shape[-1]
+            mq = m.qq[h] / m.nq
+            # A small ridge keeps L well conditioned where queries never point.
+            mq_r = mq + ridge * np.trace(mq) / d * np.eye(d)
+            lower = np.linalg.cholesky(mq_r)
+            mean_k = m.k[h] / m.n
+            cov_k = m.kk[h] / m.n - np.outer(mean_k, mean_k)
+            lam_k, u_k = _eig_desc(lower.T @ cov_k @ lower)
+            tk = lower @ u_k
+            mean_v = m.v[h] / m.n
+            lam_v, u_v = _eig_desc(m.vv[h] / m.n - np.outer(mean_v, mean_v))
+            per["q_second_moment"].append(mq)
+            per["k_whiten"].append(lower)
+            per["k_transform"].append(tk)
+            per["k_inverse"].append(np.linalg.inv(tk))
+            per["k_variances"].append(lam_k)
+            per["v_transform"].append(u_v)
+            per["v_variances"].append(lam_v)
+        for k in out:
+            out[k].append(np.stack(per[k]))
+    return {k: np.stack(v).astype(np.float32) for k, v in out.items()}
+
+
+def calibrate(model, tokenizer, text_file: str | Path, tokens: int = 200_000, ctx: int = 1024,
+              ridge: float = 1e-3, progress: bool = True,
+              command: Optional[str] = None) -> Calibration:
+    """Fits a bundle on the first ``tokens`` tokens of ``text_file``."""
+    text = Path(text_file).read_text(encoding="utf-8")
+    ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
+    if len(ids) < ctx:
+        raise ValueError(f"text_file: {len(ids)} tokens is too little to calibrate (need {ctx})")
+    moments = collect_moments(model, ids, ctx=ctx, progress=progress)
+    meta = {
+        "tokens": len(ids),
+        "ctx": ctx,
+        "ridge": ridge,
+        "text_file": Path(text_file).name,
+        "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+    }
+    if command:
+        meta["command"] = command
+    return Calibration(fingerprint=model_fingerprint(model), tensors=fit_bundle(moments, ridge),
+                       meta=meta)

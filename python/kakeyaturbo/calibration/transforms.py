@@ -1,0 +1,71 @@
+"""Invertible per-(layer, KV head) maps into the calibrated coding frames.
+
+Keys (pre-RoPE, rows ``k``): ``y = k @ L @ U_k`` where ``L`` is the lower Cholesky factor of
+the query second moment ``M = E[q q^T]`` and ``U_k`` the PCA basis of the whitened keys. For a
+key error ``e``, ``|e @ L|^2 = e^T M e = E[(q . e)^2]``: squared error in this frame is the
+expected squared attention-logit error, so MSE coding here is query-aware. Values:
+``y = v @ U_v`` (orthonormal).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .bundle import Calibration
+
+
+class KVTransforms:
+    """Torch transforms built from a :class:`Calibration` (float32, on the tensors' device)."""
+
+    def __init__(self, calib: Calibration):
+        t = calib.tensors
+        self._mats = {
+            ("k", "fwd"): torch.from_numpy(np.asarray(t["k_transform"], dtype=np.float32)),
+            ("k", "inv"): torch.from_numpy(np.asarray(t["k_inverse"], dtype=np.float32)),
+            ("v", "fwd"): torch.from_numpy(np.asarray(t["v_transform"], dtype=np.float32)),
+            # U_v is orthonormal: its inverse is its transpose.
+            ("v", "inv"): torch.from_numpy(
+                np.ascontiguousarray(np.swapaxes(t["v_transform"], -1, -2), dtype=np.float32)),
+        }
+        self.num_layers = calib.num_layers
+
+    def _apply(self, x: torch.Tensor, layer: int, stream: str, way: str) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"expected [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        m = self._mats[(stream, way)][layer].to(x.device)
+        if m.shape[0] != x.shape[1]:
+            raise ValueError(f"{x.shape[1]} KV heads, calibration has {m.shape[0]}")
+        return torch.einsum("bhtd,hde->bhte", x.float(), m)
+
+    def forward(self, x: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
+        """Into the coding frame (keys must be pre-RoPE)."""
+        return self._apply(x, layer, stream, "fwd")
+
+    def inverse(self, y: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
+        """Back from the coding frame."""
+        return self._apply(y, layer, stream, "inv")
+
+    def key_transform(self) -> _StreamHook:
+        """The key half as a ``KakeyaCache`` transform hook (keys must be pre-RoPE)."""
+        return _StreamHook(self, "k")
+
+    def value_transform(self) -> _StreamHook:
+        """The value half as a ``KakeyaCache`` transform hook."""
+        return _StreamHook(self, "v")
+
+
+class _StreamHook:
+    """``forward(x, layer_idx)`` / ``inverse(x, layer_idx)`` for one stream."""
+
+    def __init__(self, t: KVTransforms, stream: str):
+        self._t = t
+        self._stream = stream
+
+    def forward(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self._t.forward(x, layer_idx, self._stream)
+
+    def inverse(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self._t.inverse(x, layer_idx, self._stream)

@@ -1,0 +1,144 @@
+"""Calibration bundles: exact whitening round trips, the query-aware metric, save/load,
+and rejection of bundles made for another model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import kakeyaturbo as kt
+from kakeyaturbo.calibration import Calibration, CalibrationError, KVTransforms, calibrate
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(model_dir):
+    from kakeyaturbo.capture import load_model
+
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def bundle(model_and_tok, calib_text, tmp_path_factory):
+    model, tok = model_and_tok
+    calib = calibrate(model, tok, calib_text, tokens=4096, progress=False)
+    path = calib.save(tmp_path_factory.mktemp("calib"))
+    return calib, path
+
+
+def test_transforms_round_trip_exactly(bundle, real_kv):
+    calib, _ = bundle
+    t = KVTransforms(calib)
+    for layer in range(calib.num_layers):
+        for stream in ("k_pre_rope", "v"):
+            x = torch.from_numpy(real_kv[f"layer{layer}.{stream}"])[None]
+            s = stream[0]
+            back = t.inverse(t.forward(x, layer, s), layer, s)
+            torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+
+
+def test_whitened_error_is_the_expected_logit_error(bundle):
+    """|e @ L|^2 = e^T M e = E[(q . e)^2] over calibration queries (up to the ridge)."""
+    calib, _ = bundle
+    m = calib.tensors["q_second_moment"].astype(np.float64)
+    tk = calib.tensors["k_transform"].astype(np.float64)
+    ridge = calib.meta["ridge"]
+    rng = np.random.default_rng(0)
+    for layer in range(calib.num_layers):
+        for h in range(m.shape[1]):
+            e = rng.standard_normal((100, m.shape[-1]))
+            lhs = ((e @ tk[layer, h]) ** 2).sum(1)
+            mr = m[layer, h] + ridge * np.trace(m[layer, h]) / m.shape[-1] * np.eye(m.shape[-1])
+            rhs = np.einsum("nd,de,ne->n", e, mr, e)
+            np.testing.assert_allclose(lhs, rhs, rtol=2e-3)
+
+
+def test_key_frame_variances_are_sorted_and_match(bundle, real_kv):
+    calib, _ = bundle
+    var = calib.tensors["k_variances"]
+    assert (np.diff(var, axis=-1) <= 1e-6 * var.max()).all()
+    # On held-out text the frame still concentrates energy in the leading components.
+    t = KVTransforms(calib)
+    y = t.forward(torch.from_numpy(real_kv["layer2.k_pre_rope"])[None], 2, "k")[0]
+    energy = (y.double() ** 2).mean(1)  # [heads, D]
+    head_share = energy[:, :16].sum(1) / energy.sum(1)
+    assert (head_share > 0.5).all(), head_share
+
+
+def test_saved_and_loaded_bundle_gives_identical_encodes(bundle, real_kv, model_and_tok):
+    calib, path = bundle
+    loaded = Calibration.load(path, model_and_tok[0])
+    assert loaded.fingerprint == calib.fingerprint
+    for name, arr in calib.tensors.items():
+        np.testing.assert_array_equal(loaded.tensors[name], arr.astype(np.float32))
+    x = torch.from_numpy(real_kv["layer1.k_pre_rope"])[None]
+    p = kt.CodecParams(allocation="waterfill", k=0, pca_method="none", bits_per_value=2.0)
+    enc_a = kt.encode_batch(KVTransforms(calib).forward(x, 1, "k")[0], p)
+    enc_b = kt.encode_batch(KVTransforms(loaded).forward(x, 1, "k")[0], p)
+    assert [e.to_bytes() for e in enc_a] == [e.to_bytes() for e in enc_b]
+
+
+def test_bundle_for_another_model_is_rejected(bundle, model_and_tok, tmp_path):
+    from transformers import LlamaConfig
+
+    _, path = bundle
+    other = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                        num_hidden_layers=6, intermediate_size=256, vocab_size=100)
+    with pytest.raises(CalibrationError, match="another model"):
+        Calibration.load(path, other)
+    model = model_and_tok[0]
+    w = model.model.layers[0].self_attn.k_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.mul_(1.01)  # same architecture, other weights
+        with pytest.raises(CalibrationError, match="k_proj0_sha256"):
+            Calibration.load(path, model)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    Calibration.load(path, model)
+
+
+def test_malformed_bundles_are_clear_errors(bundle, tmp_path):
+    _, path = bundle
+    with pytest.raises(CalibrationError, match="not a calibration bundle"):
+        Calibration.load(tmp_path)
+    bad = tmp_path / "v2"
+    shutil.copytree(path, bad)
+    meta = json.loads((bad / "calibration.json").read_text())
+    meta["version"] = 2
+    (bad / "calibration.json").write_text(json.dumps(meta))
+    with pytest.raises(CalibrationError, match="version 2"):
+        Calibration.load(bad)
+    (bad / "calibration.json").write_text("{not json")
+    with pytest.raises(CalibrationError, match="JSON"):
+        Calibration.load(bad)
+
+
+@torch.inference_mode()
+def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, eval_text):
+    from transformers import DynamicCache
+
+    from kakeyaturbo.capture import read_tokens
+    from kakeyaturbo.hf import KakeyaCache
+
+    model, tok = model_and_tok
+    _, path = bundle
+    ids = torch.tensor([read_tokens(tok, eval_text, 664, offset_chars=50_000)])
+    cache = KakeyaCache.from_model(model, calibration=path, residual_length=64)
+    assert cache.pre_rope and cache.calibration is not None
+    ref = DynamicCache(config=model.config)
+    model(ids[:, :600], past_key_values=cache)
+    model(ids[:, :600], past_key_values=ref)
+    a = model(ids[:, 600:], past_key_values=cache).logits.argmax(-1)
+    b = model(ids[:, 600:], past_key_values=ref).logits.argmax(-1)
+    assert (a == b).float().mean() >= 0.9
+    rep = cache.memory_report()
+    assert rep["compressed_bytes"] > 0 and rep["ratio_vs_bf16"] > 1.5
+    with pytest.raises(ValueError, match="calibration sets"):
+        KakeyaCache.from_model(model, calibration=path, key_transform=KVTransforms(
+            Calibration.load(path)).key_transform())
