@@ -85,8 +85,14 @@ def test_bundle_for_another_model_is_rejected(bundle, model_and_tok, tmp_path):
     from transformers import LlamaConfig
 
     _, path = bundle
-    other = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
-                        num_hidden_layers=6, intermediate_size=256, vocab_size=100)
+    other = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=6,
+        intermediate_size=256,
+        vocab_size=100,
+    )
     with pytest.raises(CalibrationError, match="another model"):
         Calibration.load(path, other)
     model = model_and_tok[0]
@@ -140,5 +146,8 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
     rep = cache.memory_report()
     assert rep["compressed_bytes"] > 0 and rep["ratio_vs_bf16"] > 1.5
     with pytest.raises(ValueError, match="calibration sets"):
-        KakeyaCache.from_model(model, calibration=path, key_transform=KVTransforms(
-            Calibration.load(path)).key_transform())
+        KakeyaCache.from_model(
+            model,
+            calibration=path,
+            key_transform=KVTransforms(Calibration.load(path)).key_transform(),
+        )

@@ -14,8 +14,23 @@ def test_bench_reports_json_and_dumps_reconstruction(real_kv, tmp_path, capsys):
     src = tmp_path / "kv.safetensors"
     save_file({"k": real_kv["layer2.k"], "v": real_kv["layer2.v"]}, str(src))
     dump = tmp_path / "dec.npy"
-    rc = main(["bench", str(src), "--tensor", "k", "--bit-width", "4", "--k", "0",
-               "--stages", "--dump-decoded", str(dump), "--repeats", "1"])
+    rc = main(
+        [
+            "bench",
+            str(src),
+            "--tensor",
+            "k",
+            "--bit-width",
+            "4",
+            "--k",
+            "0",
+            "--stages",
+            "--dump-decoded",
+            str(dump),
+            "--repeats",
+            "1",
+        ]
+    )
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     x = real_kv["layer2.k"]
@@ -32,8 +47,22 @@ def test_bench_reports_json_and_dumps_reconstruction(real_kv, tmp_path, capsys):
 
 def test_capture_writes_pre_and_post_rope_keys(model_dir, eval_text, tmp_path, capsys):
     out = tmp_path / "cap.safetensors"
-    assert main(["capture", "--model", str(model_dir), "--text", str(eval_text),
-                 "--tokens", "64", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "capture",
+                "--model",
+                str(model_dir),
+                "--text",
+                str(eval_text),
+                "--tokens",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     t = load_file(str(out))
     assert set(t) == {f"layer{i}.{s}" for i in range(6) for s in ("k", "k_pre_rope", "v")}
     assert t["layer0.k"].shape == (2, 64, 64)

@@ -22,8 +22,10 @@ def rel_err(x, y) -> float:
 def test_error_falls_as_bit_width_rises_on_real_kv(real_kv, stream):
     for layer in (0, 3, 5):
         x = real_kv[f"layer{layer}.{stream}"]
-        errs = [rel_err(x, kt.decode_batch(kt.encode_batch(x, kt.CodecParams(bit_width=b))))
-                for b in (1, 2, 3, 4, 8)]
+        errs = [
+            rel_err(x, kt.decode_batch(kt.encode_batch(x, kt.CodecParams(bit_width=b))))
+            for b in (1, 2, 3, 4, 8)
+        ]
         assert all(a > b for a, b in zip(errs, errs[1:])), (layer, errs)
         # Lloyd-Max on unit-variance coordinates: sqrt(0.0095) ~ 0.097 at 4 bits is the
         # ceiling when nothing else is lost; 8 bits is near exact.
@@ -44,9 +46,12 @@ def test_four_bit_full_rank_error_bound_on_real_kv(real_kv):
 
 def test_nbytes_is_exact_and_encoding_deterministic(real_kv):
     x = real_kv["layer2.k"][0]
-    for p in (kt.CodecParams(), kt.CodecParams(bit_width=2, k=0, share_basis=True),
-              kt.CodecParams(bit_width=8, skeleton_dtype="fp32", block_size=100),
-              kt.CodecParams(pca_method="randomized", target_rank=32, metric="inner_product")):
+    for p in (
+        kt.CodecParams(),
+        kt.CodecParams(bit_width=2, k=0, share_basis=True),
+        kt.CodecParams(bit_width=8, skeleton_dtype="fp32", block_size=100),
+        kt.CodecParams(pca_method="randomized", target_rank=32, metric="inner_product"),
+    ):
         a, b = kt.encode_layer(x, p), kt.encode_layer(x, p)
         assert a.nbytes == len(a.to_bytes())
         assert a.to_bytes() == b.to_bytes()
@@ -71,13 +76,16 @@ def test_from_bytes_roundtrip_and_pickle(real_kv):
     assert p.replace(bit_width=4, centroids=None).bit_width == 4
 
 
-@pytest.mark.parametrize("make", [
-    lambda x: x.astype(np.float32),
-    lambda x: x.astype(np.float16),
-    lambda x: torch.from_numpy(x),
-    lambda x: torch.from_numpy(x).half(),
-    lambda x: torch.from_numpy(x).bfloat16(),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.astype(np.float32),
+        lambda x: x.astype(np.float16),
+        lambda x: torch.from_numpy(x),
+        lambda x: torch.from_numpy(x).half(),
+        lambda x: torch.from_numpy(x).bfloat16(),
+    ],
+)
 def test_decode_returns_input_framework_dtype_and_shape(real_kv, make):
     x = make(real_kv["layer4.k"][0])
     y = kt.decode_layer(kt.encode_layer(x, kt.CodecParams(bit_width=4)))
@@ -149,3 +157,44 @@ def test_codebooks():
     np.testing.assert_allclose(fitted, [-0.75, -0.25, 0.25, 0.75], atol=0.02)
     with pytest.raises(ValueError):
         kt.gaussian_codebook(9)
+
+
+def test_waterfill_beats_uniform_at_equal_bytes_on_real_kv(real_kv):
+    x = real_kv["layer3.k_pre_rope"]
+    uni = kt.encode_batch(x, kt.CodecParams(bit_width=2, k=0, share_basis=True))
+    wf = kt.encode_batch(
+        x, kt.CodecParams(allocation="waterfill", k=0, share_basis=True, bits_per_value=2.15)
+    )
+    assert sum(e.nbytes for e in wf) <= sum(e.nbytes for e in uni)
+    err_u = rel_err(x, kt.decode_batch(uni))
+    err_w = rel_err(x, kt.decode_batch(wf))
+    assert err_w < 0.7 * err_u, (err_w, err_u)
+
+
+def test_external_basis_round_trip_and_mismatch(real_kv):
+    x = real_kv["layer2.v"]
+    rows = []
+    for h in range(x.shape[0]):
+        xc = x[h] - x[h].mean(0)
+        _, vecs = np.linalg.eigh(xc.T @ xc)
+        rows.append(np.ascontiguousarray(vecs[:, ::-1].T, dtype=np.float32))
+    bases = [kt.Basis(r) for r in rows]
+    assert bases[0].d_eff == 64 and bases[0].fingerprint != bases[1].fingerprint
+    assert pickle.loads(pickle.dumps(bases[0])).fingerprint == bases[0].fingerprint
+    p = kt.CodecParams(allocation="waterfill", k=0, bits_per_value=2.0)
+    encs = kt.encode_batch(x, p, bases=bases)
+    own = kt.encode_batch(x, p.replace(share_basis=True))
+    assert sum(e.nbytes for e in encs) < sum(e.nbytes for e in own)  # no basis stored
+    assert encs[0].basis_fingerprint == bases[0].fingerprint
+    y = kt.decode_batch(encs, bases=bases)
+    assert rel_err(x, y) < 0.3
+    with pytest.raises(ValueError, match="external basis"):
+        kt.decode_batch(encs)
+    with pytest.raises(ValueError, match="basis mismatch"):
+        kt.decode_batch(encs, bases=bases[::-1])
+    with pytest.raises(ValueError, match="bases"):
+        kt.encode_batch(x, p, bases=bases * 2)
+    with pytest.raises(ValueError, match="orthonormal"):
+        kt.Basis(rows[0] * 2)
+    with pytest.raises(TypeError, match="basis"):
+        kt.encode_layer(x[0], p, basis=rows[0])

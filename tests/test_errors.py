@@ -15,15 +15,18 @@ import kakeyaturbo as kt
 X = np.random.default_rng(0).standard_normal((300, 32)).astype(np.float32)
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (X.astype(np.float64), TypeError, "x: dtype float64"),
-    (X.astype(np.int32), TypeError, "x: dtype int32"),
-    (torch.from_numpy(X).double(), TypeError, "x: dtype torch.float64"),
-    ([[1.0, 2.0]], TypeError, "x: expected a numpy array"),
-    (X[0], ValueError, "x: expected 2 dimensions"),
-    (X[None], ValueError, "x: expected 2 dimensions"),
-    (X[:0], ValueError, "x: empty"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (X.astype(np.float64), TypeError, "x: dtype float64"),
+        (X.astype(np.int32), TypeError, "x: dtype int32"),
+        (torch.from_numpy(X).double(), TypeError, "x: dtype torch.float64"),
+        ([[1.0, 2.0]], TypeError, "x: expected a numpy array"),
+        (X[0], ValueError, "x: expected 2 dimensions"),
+        (X[None], ValueError, "x: expected 2 dimensions"),
+        (X[:0], ValueError, "x: empty"),
+    ],
+)
 def test_bad_arrays(bad, exc, match):
     with pytest.raises(exc, match=match):
         kt.encode_layer(bad)
@@ -39,22 +42,25 @@ def test_non_finite_input(value):
         kt.encode_batch(x[None])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"bit_width": 5}, "bit_width"),
-    ({"bit_width": -1}, "bit_width"),
-    ({"block_size": 0}, "block_size"),
-    ({"variance_ratio": 0.0}, "variance_ratio"),
-    ({"variance_ratio": 1.01}, "variance_ratio"),
-    ({"k": 600}, "k"),
-    ({"outlier_threshold": 0.0}, "outlier_threshold"),
-    ({"pca_method": "svd"}, "pca_method"),
-    ({"metric": "cosine"}, "metric"),
-    ({"skeleton_dtype": "int8"}, "skeleton_dtype"),
-    ({"target_rank": 8}, "target_rank"),
-    ({"bit_width": 2, "centroids": [0.0, 1.0]}, "centroids"),
-    ({"bit_width": 1, "centroids": [1.0, 0.0]}, "ascending"),
-    ({"rank_cap": -3}, "rank_cap"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bit_width": 5}, "bit_width"),
+        ({"bit_width": -1}, "bit_width"),
+        ({"block_size": 0}, "block_size"),
+        ({"variance_ratio": 0.0}, "variance_ratio"),
+        ({"variance_ratio": 1.01}, "variance_ratio"),
+        ({"k": 600}, "k"),
+        ({"outlier_threshold": 0.0}, "outlier_threshold"),
+        ({"pca_method": "svd"}, "pca_method"),
+        ({"metric": "cosine"}, "metric"),
+        ({"skeleton_dtype": "int8"}, "skeleton_dtype"),
+        ({"target_rank": 8}, "target_rank"),
+        ({"bit_width": 2, "centroids": [0.0, 1.0]}, "centroids"),
+        ({"bit_width": 1, "centroids": [1.0, 0.0]}, "ascending"),
+        ({"rank_cap": -3}, "rank_cap"),
+    ],
+)
 def test_invalid_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kt.CodecParams(**kwargs)

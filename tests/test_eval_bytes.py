@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kakeyaturbo.eval.bytes_report import capture_kv, measure, project
+from kakeyaturbo.eval.harness import Rope
 from kakeyaturbo.eval.methods import build_method
 from kakeyaturbo.modeling import kv_geometry, load_model, read_text, tokenize_text
 
@@ -49,11 +50,15 @@ def test_peer_projection_is_byte_exact(captured, spec):
 def test_kakeya_projection_is_close(captured):
     pytest.importorskip("kakeyaturbo")
     model, kv, geom = captured
-    m = build_method("kakeya:block_size=128")
-    proj = project(m, kv, geom, model.config, fit_max=512, targets=[])
-    measured = _total(measure(m, kv, geom, model.config, MEASURED))
+    m = build_method("kakeya")
+    rope = Rope(model) if m.options.pre_rope else None
+    proj = project(m, kv, geom, model.config, fit_max=1024, targets=[], rope=rope)
+    measured = _total(measure(m, kv, geom, model.config, MEASURED, rope))
     predicted = proj["predict"](MEASURED)["stored_bytes"]
-    assert abs(predicted - measured) / measured < 1e-3
+    # The default recipe's sizes depend on the data (adaptive rank and bit allocation, one
+    # shared basis per stream), so this is a projection, not a byte-exact count.
+    print(f"kakeya projection error at {MEASURED}: {(predicted - measured) / measured:+.4%}")
+    assert abs(predicted - measured) / measured < 1e-2
 
 
 def test_skipped_and_sliding_layers(captured):

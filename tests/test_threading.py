@@ -19,8 +19,9 @@ def test_concurrent_encode_decode_is_identical(real_kv):
 
     def work(i):
         encs = kt.encode_batch(inputs[i], params[i])
-        single = [kt.decode_layer(kt.encode_layer(np.ascontiguousarray(x), params[i]))
-                  for x in inputs[i]]
+        single = [
+            kt.decode_layer(kt.encode_layer(np.ascontiguousarray(x), params[i])) for x in inputs[i]
+        ]
         return [e.to_bytes() for e in encs], kt.decode_batch(encs), single
 
     with ThreadPoolExecutor(max_workers=6) as pool:

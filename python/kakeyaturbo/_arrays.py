@@ -51,9 +51,7 @@ def to_core(x: Any, name: str, ndim: int) -> tuple[np.ndarray, bool, Origin]:
     elif hasattr(x, "__dlpack__"):
         return to_core(np.from_dlpack(x), name, ndim)
     else:
-        raise TypeError(
-            f"{name}: expected a numpy array or torch tensor, got {type(x).__name__}"
-        )
+        raise TypeError(f"{name}: expected a numpy array or torch tensor, got {type(x).__name__}")
     if arr.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(arr.shape)}")
     if any(s == 0 for s in arr.shape):

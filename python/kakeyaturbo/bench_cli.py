@@ -35,6 +35,8 @@ _PARAM_FLAGS = {
     "outlier_threshold": (float, "scaled |value| stored exactly above this (inf: off)"),
     "skeleton_dtype": (str, "fp16 | bf16 | fp32"),
     "seed": (int, "seed for signs, k-means and randomized PCA"),
+    "allocation": (str, "uniform | waterfill (bits per PCA component by reverse water-filling)"),
+    "bits_per_value": (float, "waterfill budget in bits per stored value"),
 }
 
 
@@ -42,21 +44,38 @@ def add_param_flags(p: argparse.ArgumentParser) -> None:
     """One ``--flag`` per CodecParams field (defaults come from CodecParams)."""
     for name, (typ, help_) in _PARAM_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
-    p.add_argument("--share-basis", dest="share_basis", action="store_true", default=None,
-                   help="one PCA basis per layer, stored once")
+    p.add_argument(
+        "--share-basis",
+        dest="share_basis",
+        action="store_true",
+        default=None,
+        help="one PCA basis per layer, stored once",
+    )
 
 
 def params_from_args(args: argparse.Namespace) -> CodecParams:
-    kw = {n: getattr(args, n) for n in [*_PARAM_FLAGS, "share_basis"] if getattr(args, n) is not None}
+    kw = {
+        n: getattr(args, n) for n in [*_PARAM_FLAGS, "share_basis"] if getattr(args, n) is not None
+    }
     return CodecParams(**kw)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="encode/decode a .npy/.safetensors tensor, print JSON",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("tensor_file", type=Path, help=".npy or .safetensors; last two dims are [tokens, head_dim]")
+    p = sub.add_parser(
+        "bench",
+        help="encode/decode a .npy/.safetensors tensor, print JSON",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "tensor_file",
+        type=Path,
+        help=".npy or .safetensors; the last two dims are [tokens, head_dim]",
+    )
     p.add_argument("--tensor", default=None, help="name of the tensor inside a .safetensors file")
-    p.add_argument("--dump-decoded", type=Path, default=None, help="write the reconstruction (.npy)")
+    p.add_argument(
+        "--dump-decoded", type=Path, default=None, help="write the reconstruction (.npy)"
+    )
     p.add_argument("--stages", action="store_true", help="report the error after each stage")
     p.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
     add_param_flags(p)

@@ -101,8 +101,10 @@ def load_tensor(path: str | Path, name: Optional[str] = None) -> np.ndarray:
     tensors = load_file(str(path))
     if name is None:
         if len(tensors) != 1:
-            raise ValueError(f"{path} holds {len(tensors)} tensors; pick one with --tensor "
-                             f"(one of: {', '.join(sorted(tensors)[:8])}...)")
+            raise ValueError(
+                f"{path} holds {len(tensors)} tensors; pick one with --tensor "
+                f"(one of: {', '.join(sorted(tensors)[:8])}...)"
+            )
         name = next(iter(tensors))
     if name not in tensors:
         raise KeyError(f"{path} has no tensor {name!r}")

@@ -9,7 +9,9 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("capture", help="capture K/V from a local model folder to .safetensors")
     p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
-    p.add_argument("--text", required=True, type=Path, help="UTF-8 text file to run through the model")
+    p.add_argument(
+        "--text", required=True, type=Path, help="UTF-8 text file to run through the model"
+    )
     p.add_argument("--tokens", type=int, default=1024, help="tokens in the forward pass")
     p.add_argument("--offset-chars", type=int, default=0, help="start this many characters in")
     p.add_argument("--out", required=True, type=Path, help=".safetensors file (or folder of .npy)")

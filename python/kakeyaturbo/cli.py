@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Sub-commands record the command line that made their results.
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     if args.version:
         from . import __version__
 

@@ -121,7 +121,9 @@ def _bases(bases: Any, name: str = "bases") -> Optional[list]:
 
 
 def encode_layer(
-    x: Any, params: Optional[CodecParams] = None, weights: Any = None,
+    x: Any,
+    params: Optional[CodecParams] = None,
+    weights: Any = None,
     basis: Optional[Basis] = None,
 ) -> EncodedLayer:
     """Encodes ``x`` of shape ``[tokens, head_dim]`` (float32/float16/bfloat16, numpy or
@@ -130,15 +132,21 @@ def encode_layer(
     arr, bf16, origin = to_core(x, "x", 2)
     w = None
     if weights is not None:
-        w, _, _ = to_core(weights if not isinstance(weights, (list, tuple)) else
-                          np.asarray(weights, dtype=np.float32), "weights", 1)
+        w, _, _ = to_core(
+            weights
+            if not isinstance(weights, (list, tuple))
+            else np.asarray(weights, dtype=np.float32),
+            "weights",
+            1,
+        )
         w = np.ascontiguousarray(w, dtype=np.float32)
-    raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16,
-                             basis=_basis(basis))
+    raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16, basis=_basis(basis))
     return EncodedLayer(raw, origin)
 
 
-def decode_layer(enc: EncodedLayer, out: Optional[str] = None, basis: Optional[Basis] = None) -> Any:
+def decode_layer(
+    enc: EncodedLayer, out: Optional[str] = None, basis: Optional[Basis] = None
+) -> Any:
     """Decodes to the input's shape, dtype, framework and device. Layers read with
     ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise."""
     if not isinstance(enc, EncodedLayer):
@@ -162,7 +170,9 @@ def decode_block(enc: EncodedLayer, out: Optional[str] = None) -> Any:
     return decode_layer(enc, out)
 
 
-def encode_batch(x: Any, params: Optional[CodecParams] = None, bases: Any = None) -> list[EncodedLayer]:
+def encode_batch(
+    x: Any, params: Optional[CodecParams] = None, bases: Any = None
+) -> list[EncodedLayer]:
     """Encodes ``[streams, tokens, head_dim]`` (e.g. batch x kv-heads) as independent
     streams, in parallel on all cores. A 4-D ``[layers, heads, tokens, head_dim]`` input is
     flattened to streams in row-major order. ``bases``: one :class:`Basis` for all streams

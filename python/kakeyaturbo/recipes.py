@@ -50,12 +50,16 @@ class Recipe:
 
 
 def _waterfill(bits: float, block_size: int, **kw: Any) -> CodecParams:
-    return CodecParams(allocation="waterfill", k=0, bits_per_value=bits, block_size=block_size,
-                       **kw)
+    return CodecParams(
+        allocation="waterfill", k=0, bits_per_value=bits, block_size=block_size, **kw
+    )
 
 
-def calibrated_recipe(k_bits: float = CALIBRATED_BITS[0], v_bits: float = CALIBRATED_BITS[1],
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> Recipe:
+def calibrated_recipe(
+    k_bits: float = CALIBRATED_BITS[0],
+    v_bits: float = CALIBRATED_BITS[1],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Recipe:
     """For data already in a calibration bundle's frames: no basis is stored."""
     return Recipe(
         k=_waterfill(k_bits, block_size, pca_method="none"),
@@ -64,15 +68,17 @@ def calibrated_recipe(k_bits: float = CALIBRATED_BITS[0], v_bits: float = CALIBR
     )
 
 
-def self_calibrated_recipe(k_bits: float = SELF_CALIBRATED_BITS[0],
-                           v_bits: float = SELF_CALIBRATED_BITS[1],
-                           block_size: int = DEFAULT_BLOCK_SIZE) -> Recipe:
+def self_calibrated_recipe(
+    k_bits: float = SELF_CALIBRATED_BITS[0],
+    v_bits: float = SELF_CALIBRATED_BITS[1],
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Recipe:
     """No bundle: one PCA basis per encoded layer and head, fitted on the data, stored once.
-    Components holding the last 0.5% of the variance are not stored (they would get no
-    bits at these rates anyway)."""
+    Components holding the last 1% of the variance are not stored (at these rates water-
+    filling gives them almost no bits, and their basis rows would cost more than they save)."""
     return Recipe(
-        k=_waterfill(k_bits, block_size, share_basis=True, variance_ratio=0.995),
-        v=_waterfill(v_bits, block_size, share_basis=True, variance_ratio=0.995),
+        k=_waterfill(k_bits, block_size, share_basis=True, variance_ratio=0.99),
+        v=_waterfill(v_bits, block_size, share_basis=True, variance_ratio=0.99),
     )
 
 
@@ -84,4 +90,4 @@ def default_recipe(calibrated: bool = False) -> Recipe:
 def default_kv_params() -> tuple[KVCodecParams, dict[str, Any]]:
     """(codec parameters, harness options) of the uncalibrated default, for the evaluation."""
     r = default_recipe()
-    return r.kv, {"sink": r.sink_tokens}
+    return r.kv, {"sink": r.sink_tokens, "pre_rope": r.pre_rope}

@@ -21,6 +21,7 @@ TENSOR_NAMES = (
     "k_transform",  # L @ U_k: pre-RoPE key (row) -> whitened PCA coordinates       [L,H,D,D]
     "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
     "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
+    "k_pca",  # U of plain (unwhitened) pre-RoPE key PCA, for ablations          [L,H,D,D]
     "v_transform",  # U_v: value -> PCA coordinates                                  [L,H,D,D]
     "v_variances",  # variances of the value PCA coordinates, descending            [L,H,D]
 )
@@ -40,8 +41,9 @@ def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
         "model_type": cfg.model_type,
         "num_hidden_layers": int(cfg.num_hidden_layers),
         "num_attention_heads": int(cfg.num_attention_heads),
-        "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None)
-                                   or cfg.num_attention_heads),
+        "num_key_value_heads": int(
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        ),
         "head_dim": int(head_dim),
         "hidden_size": int(cfg.hidden_size),
     }
@@ -69,8 +71,10 @@ class Calibration:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.tensors.items()},
-                  str(out / _TENSORS))
+        save_file(
+            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.tensors.items()},
+            str(out / _TENSORS),
+        )
         meta = {"version": BUNDLE_VERSION, "fingerprint": self.fingerprint, **self.meta}
         (out / _META).write_text(json.dumps(meta, indent=2) + "\n")
         return out
@@ -87,7 +91,9 @@ class Calibration:
 
         d = Path(bundle_dir)
         if not (d / _META).is_file() or not (d / _TENSORS).is_file():
-            raise CalibrationError(f"{d} is not a calibration bundle (needs {_META} and {_TENSORS})")
+            raise CalibrationError(
+                f"{d} is not a calibration bundle (needs {_META} and {_TENSORS})"
+            )
         try:
             meta = json.loads((d / _META).read_text())
         except json.JSONDecodeError as e:
@@ -95,7 +101,8 @@ class Calibration:
         version = meta.pop("version", None)
         if version != BUNDLE_VERSION:
             raise CalibrationError(
-                f"{d}: bundle version {version!r}, this build reads version {BUNDLE_VERSION}")
+                f"{d}: bundle version {version!r}, this build reads version {BUNDLE_VERSION}"
+            )
         fingerprint = meta.pop("fingerprint", None)
         if not isinstance(fingerprint, dict):
             raise CalibrationError(f"{d}: no model fingerprint")
@@ -115,21 +122,33 @@ class Calibration:
             want = (L, H, D) if name.endswith("variances") else (L, H, D, D)
             if tuple(self.tensors[name].shape) != want:
                 raise CalibrationError(
-                    f"tensor {name!r} has shape {self.tensors[name].shape}, expected {want}")
+                    f"tensor {name!r} has shape {self.tensors[name].shape}, expected {want}"
+                )
             if not np.isfinite(self.tensors[name]).all():
                 raise CalibrationError(f"tensor {name!r} holds NaN or Inf")
 
     def check_model(self, model: Any) -> None:
         """Raises CalibrationError naming every field where the model differs."""
         have = model_fingerprint(model)
-        diffs = [f"{k}: bundle {self.fingerprint.get(k)!r}, model {v!r}"
-                 for k, v in have.items() if k in self.fingerprint and self.fingerprint[k] != v]
+        diffs = [
+            f"{k}: bundle {self.fingerprint.get(k)!r}, model {v!r}"
+            for k, v in have.items()
+            if k in self.fingerprint and self.fingerprint[k] != v
+        ]
         missing = [k for k in have if k not in self.fingerprint and k != "k_proj0_sha256"]
         if diffs or missing:
             raise CalibrationError(
-                "calibration bundle was made for another model: " + "; ".join(diffs + missing))
+                "calibration bundle was made for another model: " + "; ".join(diffs + missing)
+            )
 
-    def layer_bits(self, stream: str) -> Optional[list[float]]:
-        """Per-layer bits_per_value chosen by the sensitivity scan, if the bundle has one."""
-        plan = self.meta.get("layer_bits")
-        return None if plan is None else [float(b) for b in plan[stream]]
+    def layer_bit_offsets(self, stream: str) -> Optional[list[float]]:
+        """Per-layer bit offsets (mean zero) from the sensitivity scan, if the bundle has one:
+        layer ``i`` of ``stream`` gets ``bits_per_value + offsets[i]``."""
+        scan = self.meta.get("sensitivity")
+        if scan is None:
+            return None
+        off = [float(b) for b in scan["offsets"][stream]]
+        if len(off) != self.num_layers:
+            raise CalibrationError(f"sensitivity offsets for {len(off)} layers, bundle has "
+                                   f"{self.num_layers}")
+        return off

@@ -11,13 +11,24 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit a calibration bundle (query-aware key frames, bases)")
     p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
-    p.add_argument("--text", required=True, type=Path,
-                   help="calibration text (never the evaluation text)")
+    p.add_argument(
+        "--text", required=True, type=Path, help="calibration text (never the evaluation text)"
+    )
     p.add_argument("--out", required=True, type=Path, help="bundle folder to write")
     p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens")
     p.add_argument("--ctx", type=int, default=1024, help="window length of each forward pass")
-    p.add_argument("--ridge", type=float, default=1e-3,
-                   help="ridge added to the query second moment, relative to its mean eigenvalue")
+    p.add_argument(
+        "--sensitivity-passages",
+        type=int,
+        default=4,
+        help="passages of the per-layer sensitivity scan (0: skip it)",
+    )
+    p.add_argument(
+        "--ridge",
+        type=float,
+        default=1e-3,
+        help="ridge added to the query second moment, relative to its mean eigenvalue",
+    )
     p.set_defaults(func=run)
 
 
@@ -26,9 +37,26 @@ def run(args: argparse.Namespace) -> int:
     from .fit import calibrate
 
     model, tok = load_model(args.model)
-    calib = calibrate(model, tok, args.text, tokens=args.tokens, ctx=args.ctx, ridge=args.ridge,
-                      command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    calib = calibrate(
+        model,
+        tok,
+        args.text,
+        tokens=args.tokens,
+        ctx=args.ctx,
+        ridge=args.ridge,
+        command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
     out = calib.save(args.out)
-    print(f"wrote calibration bundle {out} ({calib.meta['tokens']} tokens, "
-          f"{calib.nbytes / 1e6:.2f} MB of tensors)")
+    if args.sensitivity_passages > 0:
+        from .sensitivity import scan
+
+        calib.meta["sensitivity"] = scan(
+            model, tok, out, args.text, passages=args.sensitivity_passages
+        )
+        calib.save(out)
+        print("per-layer bit offsets:", calib.meta["sensitivity"]["offsets"])
+    print(
+        f"wrote calibration bundle {out} ({calib.meta['tokens']} tokens, "
+        f"{calib.nbytes / 1e6:.2f} MB of tensors)"
+    )
     return 0

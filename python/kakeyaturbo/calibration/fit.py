@@ -46,8 +46,9 @@ class _Moments:
         self.n += t
 
 
-def collect_moments(model, token_ids: list[int], ctx: int = 1024,
-                    progress: bool = True) -> list[_Moments]:
+def collect_moments(
+    model, token_ids: list[int], ctx: int = 1024, progress: bool = True
+) -> list[_Moments]:
     """Runs ``token_ids`` through the model in windows of ``ctx`` tokens."""
     import torch
 
@@ -61,17 +62,20 @@ def collect_moments(model, token_ids: list[int], ctx: int = 1024,
     hooks = []
     for li, layer in enumerate(layers):
         for name, mod in zip("qkv", _pre_rope_modules(layer.self_attn)):
+
             def hook(_m, _i, out, li=li, name=name):
                 current[(li, name)] = out.detach()[0].double().reshape(out.shape[1], -1, d).numpy()
+
             hooks.append(mod.register_forward_hook(hook))
-    windows = [token_ids[i:i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
+    windows = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
     try:
         with torch.no_grad():
             for w in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
                 model(torch.tensor([w]))
                 for li in range(len(layers)):
-                    moments[li].add(current[(li, "q")], current[(li, "k")], current[(li, "v")],
-                                    hq // hkv)
+                    moments[li].add(
+                        current[(li, "q")], current[(li, "k")], current[(li, "v")], hq // hkv
+                    )
     finally:
         for h in hooks:
             h.remove()
@@ -86,9 +90,19 @@ def _eig_desc(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.ndarray]:
     """Closed-form bases from the moments (see transforms.py for the frames)."""
-    out: dict[str, list] = {k: [] for k in ("q_second_moment", "k_whiten", "k_transform",
-                                           "k_inverse", "k_variances", "v_transform",
-                                           "v_variances")}
+    out: dict[str, list] = {
+        k: []
+        for k in (
+            "q_second_moment",
+            "k_whiten",
+            "k_transform",
+            "k_inverse",
+            "k_variances",
+            "k_pca",
+            "v_transform",
+            "v_variances",
+        )
+    }
     for m in moments:
         per = {k: [] for k in out}
         for h in range(m.qq.shape[0]):
@@ -108,6 +122,7 @@ def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.nda
             per["k_transform"].append(tk)
             per["k_inverse"].append(np.linalg.inv(tk))
             per["k_variances"].append(lam_k)
+            per["k_pca"].append(_eig_desc(cov_k)[1])
             per["v_transform"].append(u_v)
             per["v_variances"].append(lam_v)
         for k in out:
@@ -115,9 +130,16 @@ def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.nda
     return {k: np.stack(v).astype(np.float32) for k, v in out.items()}
 
 
-def calibrate(model, tokenizer, text_file: str | Path, tokens: int = 200_000, ctx: int = 1024,
-              ridge: float = 1e-3, progress: bool = True,
-              command: Optional[str] = None) -> Calibration:
+def calibrate(
+    model,
+    tokenizer,
+    text_file: str | Path,
+    tokens: int = 200_000,
+    ctx: int = 1024,
+    ridge: float = 1e-3,
+    progress: bool = True,
+    command: Optional[str] = None,
+) -> Calibration:
     """Fits a bundle on the first ``tokens`` tokens of ``text_file``."""
     text = Path(text_file).read_text(encoding="utf-8")
     ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
@@ -133,5 +155,6 @@ def calibrate(model, tokenizer, text_file: str | Path, tokens: int = 200_000, ct
     }
     if command:
         meta["command"] = command
-    return Calibration(fingerprint=model_fingerprint(model), tensors=fit_bundle(moments, ridge),
-                       meta=meta)
+    return Calibration(
+        fingerprint=model_fingerprint(model), tensors=fit_bundle(moments, ridge), meta=meta
+    )

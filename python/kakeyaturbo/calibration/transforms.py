@@ -18,15 +18,20 @@ from .bundle import Calibration
 class KVTransforms:
     """Torch transforms built from a :class:`Calibration` (float32, on the tensors' device)."""
 
-    def __init__(self, calib: Calibration):
+    def __init__(self, calib: Calibration, whiten: bool = True):
+        """``whiten=False`` uses the plain PCA frame of the keys (an ablation: same bytes,
+        no query awareness)."""
         t = calib.tensors
+        k_fwd = t["k_transform"] if whiten else t["k_pca"]
+        k_inv = t["k_inverse"] if whiten else np.swapaxes(t["k_pca"], -1, -2)
         self._mats = {
-            ("k", "fwd"): torch.from_numpy(np.asarray(t["k_transform"], dtype=np.float32)),
-            ("k", "inv"): torch.from_numpy(np.asarray(t["k_inverse"], dtype=np.float32)),
+            ("k", "fwd"): torch.from_numpy(np.ascontiguousarray(k_fwd, dtype=np.float32)),
+            ("k", "inv"): torch.from_numpy(np.ascontiguousarray(k_inv, dtype=np.float32)),
             ("v", "fwd"): torch.from_numpy(np.asarray(t["v_transform"], dtype=np.float32)),
             # U_v is orthonormal: its inverse is its transpose.
             ("v", "inv"): torch.from_numpy(
-                np.ascontiguousarray(np.swapaxes(t["v_transform"], -1, -2), dtype=np.float32)),
+                np.ascontiguousarray(np.swapaxes(t["v_transform"], -1, -2), dtype=np.float32)
+            ),
         }
         self.num_layers = calib.num_layers
 

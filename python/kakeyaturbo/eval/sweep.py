@@ -18,6 +18,9 @@ DEFAULT_FAMILIES = [
     "hf-fp8",
     "kakeya",
     "kakeya:bits_per_value={bits}",
+    # the recipe below 2 bits per value: where the water-filling codec keeps going
+    "kakeya:bits_per_value=1.5",
+    "kakeya:k_bits_per_value=1.5,v_bits_per_value=1",
     "kivi:bits={bits}",
     "turboquant:bits={bits}",
     "turboquant:bits={bits},k_qjl=1",

@@ -111,13 +111,16 @@ class KakeyaCache(Cache):
         self.calibration = _load_calibration(calibration, config)
         if self.calibration is not None:
             if key_transform is not None or value_transform is not None:
-                raise ValueError("calibration sets the key and value transforms: give one or the other")
+                raise ValueError(
+                    "calibration sets the key and value transforms: give one or the other"
+                )
             if pre_rope is False:
                 raise ValueError("a calibration codes keys pre-RoPE: pre_rope=False contradicts it")
             from ..calibration import KVTransforms
 
             transforms = KVTransforms(self.calibration)
-            key_transform, value_transform = transforms.key_transform(), transforms.value_transform()
+            key_transform = transforms.key_transform()
+            value_transform = transforms.value_transform()
             pre_rope = True
         if pre_rope is None:
             # The recipe's choice where this model's RoPE can be inverted exactly.

@@ -483,6 +483,9 @@ pub fn encode_block(
     block_index: usize,
 ) -> Result<EncodedBlock> {
     check_input(x, n, d)?;
+    // A block whose tokens all have weight zero (e.g. padding) is coded unweighted: the
+    // layer's weights were checked as a whole, and zero everywhere says nothing.
+    let weights = weights.filter(|w| w.iter().any(|&v| v != 0.0));
     let w = normalised_weights(n, weights)?;
     let own;
     let sb = match basis {
@@ -629,8 +632,10 @@ fn encode_waterfill(
     let mut z = vec![0.0f32; d_eff];
     for i in 0..n {
         for j in 0..d_eff {
+            // Bounded so that outliers stay finite in f16 (tokens of weight zero do not
+            // shape sigma and may sit far outside it).
             z[j] = if sig[j] > 0.0 {
-                coeffs[i * d_eff + j] / sig[j]
+                (coeffs[i * d_eff + j] / sig[j]).clamp(-F16_LIMIT, F16_LIMIT)
             } else {
                 0.0
             };
@@ -852,6 +857,8 @@ pub fn decode_bytes(
 ) -> Result<(Vec<f32>, ParsedLayer)> {
     let parsed = read_layer(bytes)?;
     let d = parsed.head_dim;
+    // (The reader bounds every stored value so that decoding stays finite; the check after
+    // decoding below is the belt to those braces.)
     let ext_rows: Option<&[f32]> = match (parsed.external, external) {
         (None, None) => None,
         (Some((d_eff, fp)), Some(e)) if e.fingerprint == fp && e.d_eff == d_eff && e.head_dim == d => {
@@ -886,6 +893,9 @@ pub fn decode_bytes(
             };
             decode_block(b, d, &parsed.params, mean, basis, chunk)
         })?;
+    if out.iter().any(|v| !v.is_finite()) {
+        return Err(Error::Format("decoded values are not finite".into()));
+    }
     Ok((out, parsed))
 }
 

@@ -41,7 +41,8 @@ impl SplitMix64 {
     pub fn normal(&mut self) -> f64 {
         let u1 = self.next_f64().max(f64::MIN_POSITIVE);
         let u2 = self.next_f64();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        // libm, not std: the same stream on every platform.
+        libm::sqrt(-2.0 * libm::log(u1)) * libm::cos(std::f64::consts::TAU * u2)
     }
 
     /// A random sign, +1.0 or -1.0.

@@ -27,8 +27,8 @@ use std::sync::OnceLock;
 
 use kakeyaturbo::rng::SplitMix64;
 use kakeyaturbo::{
-    decode_layer, encode_layer, CodecParams, EncodedLayer, InputDtype, Metric, PcaMethod,
-    SkeletonDtype,
+    decode_layer, encode_layer, Allocation, CodecParams, EncodedLayer, InputDtype, Metric,
+    PcaMethod, SkeletonDtype,
 };
 
 /// One golden encoding: its file stem, input and parameters.
@@ -135,6 +135,44 @@ fn cases() -> Vec<Case> {
                 k: 3,
                 variance_ratio: 0.9,
                 seed: 55,
+                ..Default::default()
+            },
+        },
+        // Water-filling over a shared basis truncated at 99% variance (the default recipe).
+        Case {
+            name: "v1_waterfill_shared_vr99",
+            n: 40,
+            d: 16,
+            seed: 6,
+            dtype: InputDtype::F32,
+            weighted: false,
+            params: CodecParams {
+                block_size: 16,
+                k: 0,
+                allocation: Allocation::Waterfill,
+                bits_per_value: 2.0,
+                share_basis: true,
+                variance_ratio: 0.99,
+                seed: 66,
+                ..Default::default()
+            },
+        },
+        // Water-filling without a basis (pca 'none'), f16 input, outliers on.
+        Case {
+            name: "v1_waterfill_none_f16",
+            n: 24,
+            d: 8,
+            seed: 7,
+            dtype: InputDtype::F16,
+            weighted: false,
+            params: CodecParams {
+                block_size: 32,
+                k: 0,
+                allocation: Allocation::Waterfill,
+                bits_per_value: 1.5,
+                pca_method: PcaMethod::None,
+                outlier_threshold: 2.0,
+                seed: 77,
                 ..Default::default()
             },
         },

@@ -499,3 +499,26 @@ proptest! {
         prop_assert!(y.iter().all(|v| v.is_finite()));
     }
 }
+
+#[test]
+fn zero_weight_blocks_and_far_out_tokens_encode_and_decode() {
+    // Found by fuzzing: a block whose weights are all zero, and a zero-weight token far
+    // outside the weighted scale, must still round-trip through the wire format.
+    let p = CodecParams {
+        block_size: 1,
+        k: 0,
+        ..Default::default()
+    };
+    let enc = encode_layer(&[1.0, 2.0], 2, 1, Some(&[0.0, 1.0]), &p, InputDtype::F32).unwrap();
+    EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
+    let p = CodecParams {
+        k: 0,
+        allocation: Allocation::Waterfill,
+        bits_per_value: 4.0,
+        ..Default::default()
+    };
+    let x = [1000.0, -1000.0, 500.0, 0.0, 0.001, 0.002, -0.001, 0.0];
+    let enc = encode_layer(&x, 2, 4, Some(&[0.0, 1.0]), &p, InputDtype::F32).unwrap();
+    let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
+    assert!(decode_layer(&back).unwrap().iter().all(|v| v.is_finite()));
+}

@@ -17,6 +17,18 @@ use crate::params::{
 use crate::waterfill::MAX_COMPONENT_BITS;
 use crate::wht::padded_len;
 
+/// Largest |mean| accepted (the encoder's own input limit).
+const MEAN_LIMIT: f32 = 60_000.0;
+/// Largest |entry| of basis rows and centres: unit vectors, with rounding headroom.
+const UNIT_LIMIT: f32 = 1.01;
+/// Largest |calibrated centroid| (they live in units of the scaled coordinates, ~N(0, 1)).
+const CENTROID_LIMIT: f32 = 1_000.0;
+/// Decoded bytes a blob may declare per stored byte, beyond [`DECODE_FLOOR`]: a bound on
+/// amplification, far above real encodings (0.25 bits per value is 128x).
+const DECODE_AMPLIFICATION: usize = 256;
+/// Decoded bytes always allowed, whatever the blob's size.
+const DECODE_FLOOR: usize = 64 << 20;
+
 /// A block as read from the wire (codes unpacked).
 pub type ParsedBlock = EncodedBlock;
 
@@ -85,7 +97,15 @@ impl<'a> Cursor<'a> {
             .ok_or_else(|| Error::Format(format!("{what}: size overflows")))?;
         self.take(len)
     }
-    fn skeleton(&mut self, count: usize, dt: SkeletonDtype, what: &str) -> Result<Vec<f32>> {
+    /// Side values bounded by `limit` in magnitude (finite, and small enough that decoding
+    /// cannot overflow f32).
+    fn skeleton(
+        &mut self,
+        count: usize,
+        dt: SkeletonDtype,
+        limit: f32,
+        what: &str,
+    ) -> Result<Vec<f32>> {
         let raw = self.array(count, dt.size(), what)?;
         let vals: Vec<f32> = match dt {
             SkeletonDtype::F16 => raw
@@ -102,6 +122,9 @@ impl<'a> Cursor<'a> {
                 .collect(),
         };
         finite(&vals, what)?;
+        if vals.iter().any(|v| v.abs() > limit) {
+            return bad(format!("{what}: value beyond {limit}"));
+        }
         Ok(vals)
     }
     fn f16s(&mut self, count: usize, what: &str) -> Result<Vec<f16>> {
@@ -242,6 +265,9 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
+        if cents.iter().any(|v| v.abs() > CENTROID_LIMIT) {
+            return bad(format!("centroids: value beyond {CENTROID_LIMIT}"));
+        }
         params.centroids = Some(cents);
         params
             .validate()
@@ -260,6 +286,14 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
             params.block_size
         ));
     }
+    let decoded = n_tokens.saturating_mul(head_dim).saturating_mul(4);
+    if decoded > DECODE_FLOOR.max(bytes.len().saturating_mul(DECODE_AMPLIFICATION)) {
+        return bad(format!(
+            "{n_tokens} x {head_dim} values would decode to {decoded} bytes from {} stored: \
+             beyond the decode limit",
+            bytes.len()
+        ));
+    }
     let max_rank = params.max_rank(head_dim);
     // pca_method 'none' stores no basis rows: the identity, with d_eff = head_dim.
     let identity = params.pca_method == PcaMethod::None;
@@ -270,8 +304,8 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         if d_eff == 0 || d_eff > max_rank || (identity && d_eff != head_dim) {
             return bad(format!("shared d_eff {d_eff} outside 1..={max_rank}"));
         }
-        let mean = c.skeleton(head_dim, s, "shared mean")?;
-        let basis = c.skeleton(basis_len(d_eff), s, "shared basis")?;
+        let mean = c.skeleton(head_dim, s, MEAN_LIMIT, "shared mean")?;
+        let basis = c.skeleton(basis_len(d_eff), s, UNIT_LIMIT, "shared basis")?;
         Some(SharedBasis { d_eff, mean, basis })
     } else {
         None
@@ -332,12 +366,12 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
             ));
         }
         let mean = if shared.is_none() {
-            c.skeleton(head_dim, s, "block mean")?
+            c.skeleton(head_dim, s, MEAN_LIMIT, "block mean")?
         } else {
             Vec::new()
         };
         let basis = if shared.is_none() && external.is_none() {
-            c.skeleton(basis_len(d_eff), s, "block basis")?
+            c.skeleton(basis_len(d_eff), s, UNIT_LIMIT, "block basis")?
         } else {
             Vec::new()
         };
@@ -404,7 +438,7 @@ fn read_uniform_body(
     bi: usize,
 ) -> Result<usize> {
     let (n, d_eff, k_used) = (b.n, b.d_eff, b.k_used);
-    b.centres = c.skeleton(k_used * d_eff, s, "centres")?;
+    b.centres = c.skeleton(k_used * d_eff, s, UNIT_LIMIT, "centres")?;
     let lb = label_bits(k_used);
     b.labels = if lb > 0 {
         let raw = c.take(packed_len(n, lb))?;

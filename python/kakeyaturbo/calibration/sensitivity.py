@@ -1,0 +1,60 @@
+"""Sensitive layers: measure how much each layer's keys and values move the output when
+compressed alone, then shift bits towards the sensitive ones under a fixed average.
+
+With distortion ``D_i ~ s_i 2^(-2 b_i)`` per layer, the total ``sum_i D_i`` at a fixed mean
+bit rate is smallest when every layer ends at the same ``s_i 2^(-2 b_i)``, i.e.
+``b_i = B + 1/2 log2(s_i / geomean(s))`` (the same reverse water-filling as within a
+vector, one level up). The sensitivity ``s_i`` is the KL divergence to the uncompressed
+model when only layer ``i``'s stream is compressed at a low probe rate, measured on
+calibration text (never the evaluation text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+#: Offsets are kept within this many bits of the mean.
+MAX_OFFSET = 1.5
+
+
+def layer_offsets(kl: list[float], max_offset: float = MAX_OFFSET) -> list[float]:
+    """Bit offsets (mean zero, clipped to +-max_offset) from per-layer sensitivities."""
+    s = np.maximum(np.asarray(kl, dtype=np.float64), 1e-12)
+    off = 0.5 * np.log2(s / np.exp(np.log(s).mean()))
+    for _ in range(20):  # clip, then restore a zero mean among the unclipped
+        off = np.clip(off, -max_offset, max_offset)
+        free = np.abs(off) < max_offset
+        if not free.any() or abs(off.mean()) < 1e-9:
+            break
+        off[free] -= off.sum() / free.sum()
+    return [round(float(v), 4) for v in off]
+
+
+def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
+         ctx: int = 960, n_eval: int = 64, probe_bits: float = 1.0,
+         progress: bool = True) -> dict:
+    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``."""
+    from ..eval.harness import evaluate_method, prepare_reference
+    from ..eval.methods import build_method
+    from ..modeling import cut_passages, read_text, tokenize_text
+
+    ids = tokenize_text(tokenizer, read_text(text_file))
+    ps = cut_passages(ids, passages, ctx + n_eval + 1)
+    ref = prepare_reference(model, ps, ctx, n_eval)
+    n_layers = model.config.num_hidden_layers
+    kl: dict[str, list[float]] = {"k": [], "v": []}
+    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
+    for s, i in tqdm(jobs, desc="sensitivity", disable=not progress):
+        spec = (f"kakeya:calibration={bundle_dir},bits_per_value={probe_bits},layers={i},"
+                f"streams={s},passthrough=exact")
+        row = evaluate_method(model, ref, build_method(spec))
+        kl[s].append(float(row["kl"]))
+    return {
+        "probe_bits": probe_bits,
+        "passages": passages,
+        "kl": kl,
+        "offsets": {s: layer_offsets(v) for s, v in kl.items()},
+    }
