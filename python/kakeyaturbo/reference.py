@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 # Wire-format constants (rust/kakeyaturbo/src/format/mod.rs).
-HEADER_LEN = 72
+HEADER_LEN = 80
 BLOCK_HEADER_LEN = 20
 CRC_LEN = 4
 OUTLIER_BYTES = 6

@@ -185,7 +185,7 @@ def cmd_bytes(args) -> int:
 def cmd_report(args) -> int:
     from kakeyaturbo.eval.report import write_report
 
-    path = write_report(args.results, args.out)
+    path = write_report(args.results, args.out, getattr(args, "all_command", None))
     _say(f"wrote {path}")
     return 0
 
@@ -371,6 +371,11 @@ def register(subparsers) -> None:
         "--results", default="reports", help="folder of JSON results (default %(default)s)"
     )
     p.add_argument("--out", default=None, help="markdown path (default: RESULTS/README.md)")
+    p.add_argument(
+        "--all-command",
+        default=None,
+        help="the command that regenerates everything, quoted at the top of the page",
+    )
     p.set_defaults(func=cmd_report)
 
 

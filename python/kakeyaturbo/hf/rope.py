@@ -1,4 +1,6 @@
-"""Rotary position embedding (half-split, Llama convention) and its exact inverse.
+"""Rotary position embedding and its exact inverse, in both pairings: half-split (Llama,
+Qwen, Mistral, Gemma: channel ``i`` with ``i + d/2``) and adjacent-pair (GPT-J, CodeGen, GLM:
+channel ``2i`` with ``2i + 1``), chosen from the config's ``model_type``.
 
 A RoPE key is ``k_rot = k * cos(p w) + rotate_half(k) * sin(p w)``: each pair of channels
 ``(i, i + d/2)`` is turned by the angle ``p * w_i``. The inverse is the same rotation with
@@ -18,6 +20,8 @@ import torch
 from transformers import PretrainedConfig
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear")
+#: Model types that pair adjacent channels (``rotate_every_two``) instead of halves.
+ADJACENT_PAIR_MODEL_TYPES = ("gptj", "codegen", "glm", "chatglm", "glm4")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class RotarySpec:
 
     inv_freq: torch.Tensor  # [rot_dim // 2], float32
     rot_dim: int  # channels rotated (head_dim unless partial_rotary_factor < 1)
+    adjacent_pairs: bool = False  # GPT-J/GLM pairing (2i, 2i+1) instead of (i, i + d/2)
 
     def _cos_sin(
         self, positions: torch.Tensor, device: torch.device
@@ -49,6 +54,13 @@ class RotarySpec:
         cos, sin = self._cos_sin(positions, x.device)
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
         half = self.rot_dim // 2
+        if self.adjacent_pairs:
+            # Pair (2i, 2i+1) turns by angle p * w_i: the same rotation, other channel order.
+            c, s_ = cos[..., :half], sin[..., :half]
+            even, odd = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((even * c - sign * odd * s_, odd * c + sign * even * s_), dim=-1)
+            out = out.flatten(-2)
+            return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
         rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos + sign * rotated_half * sin
         return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
@@ -101,4 +113,5 @@ def rotary_spec_from_config(
     )
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
-    return RotarySpec(inv_freq=inv_freq, rot_dim=dim)
+    adjacent = getattr(config, "model_type", "") in ADJACENT_PAIR_MODEL_TYPES
+    return RotarySpec(inv_freq=inv_freq, rot_dim=dim, adjacent_pairs=adjacent)

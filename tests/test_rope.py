@@ -1,0 +1,47 @@
+"""Inverse RoPE is exact in both pairings, and matches the model's own rotation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kakeyaturbo.hf.rope import rotary_spec_from_config
+
+
+def _reference_adjacent(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor):
+    """GPT-J's rotate_every_two, written out from its definition."""
+    ang = (pos[..., None].float() * inv_freq).double()  # float32 angles, as transformers forms them
+    c, s = ang.cos()[:, None], ang.sin()[:, None]
+    xe, xo = x[..., 0::2].double(), x[..., 1::2].double()
+    return torch.stack((xe * c - xo * s, xo * c + xe * s), -1).flatten(-2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gptj"])
+def test_unrotate_inverts_rotate_exactly(model_type):
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64)
+    cfg.model_type = model_type
+    spec = rotary_spec_from_config(cfg)
+    assert spec.adjacent_pairs == (model_type == "gptj")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 50, 64, generator=g)
+    pos = torch.randint(0, 4000, (2, 50), generator=g)
+    y = spec.rotate(x, pos)
+    back = spec.unrotate(y, pos)
+    torch.testing.assert_close(back, x, rtol=0, atol=2e-5)
+    assert (y - x).abs().max() > 0.1  # it did rotate
+    if model_type == "gptj":
+        ref = _reference_adjacent(x, pos, spec.inv_freq).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_half_split_matches_the_model(real_kv, model_dir):
+    """Undoing RoPE on the model's cached keys gives the captured pre-RoPE keys."""
+    from transformers import AutoConfig
+
+    spec = rotary_spec_from_config(AutoConfig.from_pretrained(model_dir))
+    k = torch.from_numpy(real_kv["layer1.k"])[None]
+    pos = torch.arange(k.shape[2])[None]
+    pre = spec.unrotate(k, pos)[0].numpy()
+    np.testing.assert_allclose(pre, real_kv["layer1.k_pre_rope"], rtol=1e-4, atol=2e-4)
