@@ -25,5 +25,10 @@ kakeyaturbo eval ppl "${COMMON[@]}" --out reports/ablation.json \
   --method kakeya:calibration=$C,k_bits_per_value=1.5,v_bits_per_value=1.25,layer_bits=true
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/in_forward.json \
   --method kakeya --method kakeya:calibration=$C --method turboquant:bits=3 --method kivi:bits=3
+# The same methods on 48 passages (most of them windows the 16-passage runs never saw).
+kakeyaturbo eval ppl --model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 48 \
+  --no-progress --out reports/generalisation.json --method kakeya \
+  --method kakeya:bits_per_value=1.5 --method kakeya:calibration=$C \
+  --method turboquant:bits=3 --method kivi:bits=3
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
