@@ -19,6 +19,18 @@ def _require(path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core
+    box that makes small forwards ~10x slower. Modules that run the model use one thread."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return _require(MODEL_DIR)

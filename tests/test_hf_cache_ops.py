@@ -22,6 +22,7 @@ MODEL_DIR = SHARED / "models" / "kt-ref-a"
 TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),  # see conftest
     pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
     pytest.mark.slow,
 ]
@@ -29,16 +30,6 @@ pytestmark = [
 # 8-bit over 64-token blocks: close to lossless, so structural bugs (wrong rows, wrong order,
 # missing inverse) stand out against codec error.
 P8 = dict(block_size=64, bit_width=8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core box
-    # that makes these small forwards ~10x slower. One torch thread keeps the file fast.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

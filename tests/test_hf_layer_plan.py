@@ -29,14 +29,7 @@ N_LAYERS = 4
 WINDOW = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core box
-    # that makes these small forwards ~10x slower. One torch thread keeps the file fast.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
 
 
 def config(name: str):

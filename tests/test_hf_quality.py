@@ -20,19 +20,10 @@ TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 PROMPT, CONT = 600, 64
 
 pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),  # see conftest
     pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
     pytest.mark.slow,
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core box
-    # that makes these small forwards ~10x slower. One torch thread keeps the file fast.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
