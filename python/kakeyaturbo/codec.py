@@ -87,15 +87,22 @@ class EncodedLayer:
 @dataclass(frozen=True)
 class KVCodecParams:
     """Separate parameters for keys and values (they have different statistics and
-    different error metrics: keys matter through ``q . k``, values through averaging)."""
+    different error metrics: keys matter through ``q . k``, values through averaging).
+    The defaults are the default recipe's (:mod:`kakeyaturbo.recipes`)."""
 
-    k: CodecParams = field(default_factory=lambda: CodecParams(metric="inner_product"))
-    v: CodecParams = field(default_factory=CodecParams)
+    k: CodecParams = field(default_factory=lambda: _recipe_params("k"))
+    v: CodecParams = field(default_factory=lambda: _recipe_params("v"))
 
     def __post_init__(self):
         for name in ("k", "v"):
             if not isinstance(getattr(self, name), CodecParams):
                 raise TypeError(f"{name}: expected CodecParams, got {type(getattr(self, name))}")
+
+
+def _recipe_params(stream: str) -> CodecParams:
+    from .recipes import default_recipe  # recipes imports this module
+
+    return getattr(default_recipe(), stream)
 
 
 def _params(params: Optional[CodecParams]) -> CodecParams:
