@@ -43,6 +43,12 @@ pub fn allocate(variances: &[f32], total_bits: usize) -> Vec<u8> {
     bits
 }
 
+/// Widths of the codes one vector stores: the non-zero entries of `bits`, in order (the
+/// writer and the reader both walk a vector's codes with these).
+pub fn coded_widths(bits: &[u8]) -> Vec<u32> {
+    bits.iter().filter(|&&b| b > 0).map(|&b| b as u32).collect()
+}
+
 /// Per-bit-width reconstruction gain: 1 for MSE; `1 / (1 - D(b))` for inner products,
 /// which undoes the Lloyd-Max shrinkage `E[x x_hat] = (1 - D) E[x^2]` so that
 /// `E[<x_hat, x>] = E[|x|^2]` component by component.

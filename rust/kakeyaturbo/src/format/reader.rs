@@ -14,7 +14,7 @@ use crate::params::{
     Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype, MAX_BLOCK_SIZE,
     MAX_HEAD_DIM,
 };
-use crate::waterfill::MAX_COMPONENT_BITS;
+use crate::waterfill::{coded_widths, MAX_COMPONENT_BITS};
 use crate::wht::padded_len;
 
 /// Largest |mean| accepted (the encoder's own input limit).
@@ -479,12 +479,7 @@ fn read_waterfill_body(c: &mut Cursor<'_>, b: &mut EncodedBlock, bi: usize) -> R
             "block {bi}: component bit count above {MAX_COMPONENT_BITS}"
         ));
     }
-    let coded: Vec<u32> = b
-        .comp_bits
-        .iter()
-        .filter(|&&v| v > 0)
-        .map(|&v| v as u32)
-        .collect();
+    let coded = coded_widths(&b.comp_bits);
     let per_vector: usize = coded.iter().map(|&v| v as usize).sum();
     let raw = c.take((n * per_vector).div_ceil(8))?;
     let mut r = BitReader::new(raw);

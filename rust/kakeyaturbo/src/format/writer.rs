@@ -6,6 +6,7 @@ use super::{FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, FORMAT_VERSION, MAGIC};
 use crate::bitpack::{pack_into, BitWriter};
 use crate::codec::{label_bits, EncodedBlock, SharedBasis};
 use crate::params::{Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
+use crate::waterfill::coded_widths;
 use crate::wht::padded_len;
 
 pub(crate) fn dtype_code(d: InputDtype) -> u8 {
@@ -136,12 +137,7 @@ pub fn write_layer(
             put_f16s(&mut out, &b.sigma);
             let nibbles: Vec<u16> = b.comp_bits.iter().map(|&v| v as u16).collect();
             pack_into(&nibbles, 4, &mut out);
-            let coded: Vec<u32> = b
-                .comp_bits
-                .iter()
-                .filter(|&&v| v > 0)
-                .map(|&v| v as u32)
-                .collect();
+            let coded = coded_widths(&b.comp_bits);
             let mut bw = BitWriter::new();
             for (code, bits) in b.codes.iter().zip(coded.iter().cycle()) {
                 bw.put(*code, *bits);
