@@ -9,11 +9,17 @@ stored pre-RoPE.
 from __future__ import annotations
 
 import kakeyaturbo as kt
-from kakeyaturbo.recipes import calibrated_recipe
+from kakeyaturbo.recipes import DEFAULT_SINK_TOKENS, calibrated_recipe
 
-#: Defaults of ``KakeyaCache`` besides the codec parameters.
+#: Defaults of ``KakeyaCache`` besides the codec parameters (sinks: the project recipe's).
 DEFAULT_RESIDUAL_LENGTH = 256
-DEFAULT_SINK_TOKENS = 4
+__all__ = [
+    "DEFAULT_RESIDUAL_LENGTH",
+    "DEFAULT_SINK_TOKENS",
+    "default_kv_params",
+    "default_pre_rope",
+    "resolve_kv_params",
+]
 
 
 def default_pre_rope() -> bool:
