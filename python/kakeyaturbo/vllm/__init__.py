@@ -1,0 +1,45 @@
+"""vLLM integration: round-trip K and V through the codec inside vLLM's forward.
+
+>>> from kakeyaturbo.vllm import VLLMHookConfig, install_hooks
+>>> hooks = install_hooks(model, VLLMHookConfig(mode="snapshot", calibration="calib"))
+>>> ...                                  # run vLLM as usual (enforce_eager=True)
+>>> hooks.stats()["ratio_vs_bf16"]; hooks.remove()
+
+or, with no change to user code, the plugin::
+
+    VLLM_PLUGINS=kakeyaturbo KAKEYATURBO_VLLM_CONFIG='{"mode": "snapshot"}' \\
+        vllm serve MODEL_DIR --enforce-eager
+
+Written against vLLM 0.33 (:data:`VLLM_VERSION`). Importing this package does not import
+vLLM: the tensor path (:class:`KVCoder`) and the hooks work on any torch model laid out like
+vLLM's; only :mod:`.plugin` and :mod:`.engine` need vLLM itself. What the hooks measure is
+quality: vLLM's paged cache still holds bf16 pages, and the codec's bytes are reported in
+``stats()`` rather than saved.
+"""
+
+from .coder import ForwardPlan, HookStats, KVCoder, plan_forward, runs_from_positions
+from .config import CONFIG_ENV, VLLMHookConfig
+from .hooks import PRE_ROPE_FAMILIES, KakeyaVLLMHooks, install_hooks, layer_index
+from .plugin import config_from_env, installed_hooks, register, worker_stats
+
+#: The vLLM release the hooks were written against (class paths, forward bodies, plugin API).
+VLLM_VERSION = "0.33.0"
+
+__all__ = [
+    "CONFIG_ENV",
+    "ForwardPlan",
+    "HookStats",
+    "KVCoder",
+    "KakeyaVLLMHooks",
+    "PRE_ROPE_FAMILIES",
+    "VLLMHookConfig",
+    "VLLM_VERSION",
+    "config_from_env",
+    "install_hooks",
+    "installed_hooks",
+    "layer_index",
+    "plan_forward",
+    "register",
+    "runs_from_positions",
+    "worker_stats",
+]
