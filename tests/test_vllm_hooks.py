@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_layout import Engine, LlamaForCausalLM
 
 import kakeyaturbo as kt
 from kakeyaturbo.vllm import VLLMHookConfig, install_hooks
+from vllm_layout import Engine, LlamaForCausalLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

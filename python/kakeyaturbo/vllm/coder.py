@@ -164,7 +164,9 @@ class KVCoder:
         ``x`` itself when nothing is coded."""
         count = self.stats.count(layer, stream)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"layer {layer} {stream}: expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(
+                f"layer {layer} {stream}: expected a torch.Tensor, got {type(x).__name__}"
+            )
         if x.shape[0] != plan.num_tokens:
             raise ValueError(
                 f"layer {layer} {stream}: {x.shape[0]} rows, but the forward's positions "

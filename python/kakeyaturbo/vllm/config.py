@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import kakeyaturbo as kt
-from kakeyaturbo.recipes import DEFAULT_SINK_TOKENS, Recipe, calibrated_recipe, self_calibrated_recipe
+from kakeyaturbo.recipes import (
+    DEFAULT_SINK_TOKENS,
+    Recipe,
+    calibrated_recipe,
+    self_calibrated_recipe,
+)
 
 __all__ = ["CONFIG_ENV", "HOOKS", "MODES", "STREAMS", "VLLMHookConfig"]
 
@@ -87,12 +92,13 @@ class VLLMHookConfig:
         for name in ("k_params", "v_params"):
             p = getattr(self, name)
             if p is not None and not isinstance(p, kt.CodecParams):
-                raise TypeError(f"{name} must be a kakeyaturbo.CodecParams, got {type(p).__name__}")
+                raise TypeError(
+                    f"{name} must be a kakeyaturbo.CodecParams, got {type(p).__name__}"
+                )
         if self.calibration is not None:
             if not isinstance(self.calibration, (str, os.PathLike)):
-                raise TypeError(
-                    f"calibration must be a bundle folder path, got {type(self.calibration).__name__}"
-                )
+                got = type(self.calibration).__name__
+                raise TypeError(f"calibration must be a bundle folder path, got {got}")
             object.__setattr__(self, "calibration", str(self.calibration))
             if self.hook != "pre-rope":
                 raise ValueError(
@@ -109,7 +115,9 @@ class VLLMHookConfig:
         if self.stats_file is not None and not isinstance(self.stats_file, str):
             raise TypeError(f"stats_file must be a path string, got {self.stats_file!r}")
         if self.min_tokens < 2:
-            raise ValueError(f"min_tokens must be >= 2 (one token has no PCA), got {self.min_tokens}")
+            raise ValueError(
+                f"min_tokens must be >= 2 (one token has no PCA), got {self.min_tokens}"
+            )
         recipe = calibrated_recipe() if self.calibration else self_calibrated_recipe()
         object.__setattr__(self, "_recipe", recipe)
 
@@ -149,7 +157,7 @@ class VLLMHookConfig:
                 raise TypeError(f"{stream}_params must be a JSON object of CodecParams fields")
             try:
                 kw[f"{stream}_params"] = getattr(recipe, stream).replace(**over)
-            except TypeError as exc:
+            except (TypeError, ValueError) as exc:
                 raise ValueError(f"{stream}_params: {exc}") from None
         if "skip_layers" in kw:
             if not isinstance(kw["skip_layers"], list):
@@ -165,7 +173,8 @@ class VLLMHookConfig:
             path = Path(text)
             if not path.is_file():
                 raise ValueError(
-                    f"config is neither JSON text (it does not start with '{{') nor a file: {text!r}"
+                    "config is neither JSON text (it does not start with '{') nor a file: "
+                    f"{text!r}"
                 )
             text = path.read_text(encoding="utf-8")
         try:

@@ -115,7 +115,9 @@ class KakeyaVLLMHooks:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = config
-        self.coder = KVCoder(config, hf_config if hf_config is not None else getattr(model, "config", None))
+        if hf_config is None:
+            hf_config = getattr(model, "config", None)
+        self.coder = KVCoder(config, hf_config)
         self._plan: Optional[ForwardPlan] = None
         self._pending_k: dict[int, torch.Tensor] = {}
         self._handles: list = []
@@ -153,7 +155,9 @@ class KakeyaVLLMHooks:
         def plan_hook(module, args, kwargs):
             hooks = ref()
             if hooks is not None:
-                pos = kwargs.get("positions", args[positions_at] if positions_at < len(args) else None)
+                pos = kwargs.get("positions")
+                if pos is None and positions_at < len(args):
+                    pos = args[positions_at]
                 hooks._begin_forward(pos)
 
         def end_hook(module, args, kwargs, output):
