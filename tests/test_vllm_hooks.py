@@ -94,11 +94,30 @@ def snapshot(vmodel, token_ids):
     return _hooked(vmodel, token_ids, VLLMHookConfig(mode="snapshot"))
 
 
+def _pre_rope_keys(vmodel, token_ids) -> list[torch.Tensor]:
+    """Sequence 0's exact pre-RoPE keys per layer ([tokens, kv_heads * D]), read off each
+    layer's qkv projection in an exact prefill."""
+    keys: list[torch.Tensor] = []
+
+    def grab(module, args, out):
+        attn = vmodel.layers[len(keys)].self_attn
+        keys.append(out[0][:, attn.q_size : attn.q_size + attn.kv_size].clone())
+
+    handles = [layer.self_attn.qkv_proj.register_forward_hook(grab) for layer in vmodel.layers]
+    try:
+        Engine(vmodel).step([(0, token_ids[0][: PROMPTS[0]])])
+    finally:
+        for h in handles:
+            h.remove()
+    return keys
+
+
 def test_snapshot_prefill_attends_exactly_and_cache_holds_the_codec_output(
-    vmodel, exact, snapshot
+    vmodel, token_ids, exact, snapshot
 ):
     pre, _, held, _ = snapshot
     pre_ref, _, held_ref = exact
+    pre_rope = _pre_rope_keys(vmodel, token_ids)
     for got, want in zip(pre, pre_ref):
         assert torch.equal(got, want)  # the prefill forward saw exact K/V
     rot = vmodel.layers[0].self_attn.rotary_emb
@@ -114,14 +133,12 @@ def test_snapshot_prefill_attends_exactly_and_cache_holds_the_codec_output(
         x = v_ref[4:n].permute(1, 0, 2).contiguous()
         want = torch.from_numpy(kt.decode_batch(kt.encode_batch(x.numpy(), params["v"])))
         assert torch.equal(v[4:n], want.permute(1, 0, 2))
-        # Keys: the round trip of the pre-RoPE keys, rotated back.
-        pos = torch.arange(4, n)
-        k_pre = k_ref[4:n].reshape(n - 4, -1).clone()
-        k_pre = rot(-pos, k_pre.clone())[0].view(n - 4, -1, 64)  # undo RoPE
-        dec = kt.decode_batch(kt.encode_batch(k_pre.permute(1, 0, 2).contiguous().numpy(),
-                                              params["k"]))
-        k_want = rot(pos, torch.from_numpy(dec).permute(1, 0, 2).reshape(n - 4, -1).contiguous())[0]
-        assert torch.allclose(k[4:n].reshape(n - 4, -1), k_want, atol=1e-4)
+        # Keys: the round trip of the exact pre-RoPE keys, rotated back.
+        k_pre = pre_rope[layer][4:n].view(n - 4, -1, 64).permute(1, 0, 2).contiguous()
+        dec = kt.decode_batch(kt.encode_batch(k_pre.numpy(), params["k"]))
+        k_dec = torch.from_numpy(dec).permute(1, 0, 2).reshape(n - 4, -1).contiguous()
+        k_want = rot(torch.arange(4, n), k_dec.clone(), k_dec)[1]
+        assert torch.allclose(k[4:n].reshape(n - 4, -1), k_want, atol=1e-5)
         assert not torch.equal(k[4:n], k_ref[4:n])
 
 
