@@ -30,5 +30,7 @@ kakeyaturbo eval ppl --model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --pas
   --no-progress --out reports/generalisation.json --method kakeya \
   --method kakeya:bits_per_value=1.5 --method kakeya:calibration=$C \
   --method turboquant:bits=3 --method kivi:bits=3
+# The vLLM hooks end to end on the reference model in vLLM's layout (about a minute).
+python benches/vllm_hooks.py --calibration "$C" --out reports/vllm_hooks.json
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"

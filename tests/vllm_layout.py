@@ -1,7 +1,7 @@
 """The reference model laid out as vLLM lays out a Llama, for testing the vLLM hooks on CPU.
 
 vLLM itself needs a CUDA GPU, so the hook tests run the real kt-ref-a weights through modules
-that keep vLLM 0.33's contract, the part the hooks rely on, line for line:
+that keep vLLM 0.32's contract, the part the hooks rely on, line for line:
 
 * ``LlamaAttention.forward(positions, hidden_states)`` is vLLM's body verbatim (merged
   ``qkv_proj``, split, ``self.rotary_emb(positions, q, k)``, ``self.attn(q, k, v)``);

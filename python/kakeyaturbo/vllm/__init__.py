@@ -10,7 +10,7 @@ or, with no change to user code, the plugin::
     VLLM_PLUGINS=kakeyaturbo KAKEYATURBO_VLLM_CONFIG='{"mode": "snapshot"}' \\
         vllm serve MODEL_DIR --enforce-eager
 
-Written against vLLM 0.33 (:data:`VLLM_VERSION`). Importing this package does not import
+Written against vLLM 0.32 (:data:`VLLM_VERSION`). Importing this package does not import
 vLLM: the tensor path (:class:`KVCoder`) and the hooks work on any torch model laid out like
 vLLM's; only :mod:`.plugin` and :mod:`.engine` need vLLM itself. What the hooks measure is
 quality: vLLM's paged cache still holds bf16 pages, and the codec's bytes are reported in
@@ -22,8 +22,9 @@ from .config import CONFIG_ENV, VLLMHookConfig
 from .hooks import PRE_ROPE_FAMILIES, KakeyaVLLMHooks, install_hooks, layer_index
 from .plugin import config_from_env, installed_hooks, register, worker_stats
 
-#: The vLLM release the hooks were written against (class paths, forward bodies, plugin API).
-VLLM_VERSION = "0.33.0"
+#: The vLLM release whose installed source tests/test_vllm_contract.py checked the hooks against
+#: (class paths, forward bodies, plugin API); the newest that installs on Python 3.11.
+VLLM_VERSION = "0.32.0"
 
 __all__ = [
     "CONFIG_ENV",

@@ -1,6 +1,6 @@
 """The parts that touch vLLM's engine objects (imported only where vLLM runs).
 
-Checked against vLLM 0.33: ``VllmConfig.compilation_config.mode`` (``CompilationMode``,
+Checked against vLLM 0.32: ``VllmConfig.compilation_config.mode`` (``CompilationMode``,
 0 = NONE; ``level`` before 0.11) and ``cudagraph_mode``; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 and one GPU the engine core and its worker live in the ``LLM`` process, and the model is
 ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``.

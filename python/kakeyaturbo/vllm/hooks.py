@@ -15,7 +15,7 @@ Three kinds of hook, all removable, none touching a class (only this model's ins
   which overwrites the same cache slots; that second call's output is discarded).
 
 vLLM's attention reads K/V back from its paged cache, so what the cache holds is what every
-later decode step attends to. Written against vLLM 0.33 (``vllm.model_executor.layers.
+later decode step attends to. Written against vLLM 0.32 (``vllm.model_executor.layers.
 attention.Attention``; ``vllm.attention.layer.Attention`` before 0.15); the model must run
 eagerly (``enforce_eager=True``): the hooks run Python and the CPU codec inside the forward,
 which neither torch.compile nor CUDA graphs can capture.
@@ -36,7 +36,7 @@ from .config import VLLMHookConfig
 __all__ = ["KakeyaVLLMHooks", "PRE_ROPE_FAMILIES", "install_hooks", "layer_index"]
 
 #: Attention modules whose forward is ``qkv -> split -> rotary_emb(positions, q, k) ->
-#: attn(q, k, v)`` (checked in vLLM 0.33's llama.py and qwen2.py), matched by class name
+#: attn(q, k, v)`` (checked in vLLM 0.32's installed llama.py and qwen2.py), matched by class name
 #: along the MRO so that subclasses (Mistral, ...) count.
 PRE_ROPE_FAMILIES = ("LlamaAttention", "Qwen2Attention")
 

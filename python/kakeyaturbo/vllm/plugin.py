@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` in every process it starts (the API server, the engine core,
 each worker) through the ``vllm.general_plugins`` entry point, before any model is built.
-``register`` wraps ``BaseModelLoader.load_model`` (vLLM 0.33:
+``register`` wraps ``BaseModelLoader.load_model`` (vLLM 0.32:
 ``vllm.model_executor.model_loader.base_loader``) so that each model it returns has the
 hooks installed with the configuration from ``KAKEYATURBO_VLLM_CONFIG``.
 
