@@ -86,14 +86,14 @@ class _KeyCodingRotary(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module, hooks: KakeyaVLLMHooks, layer: int, head_dim: int):
         super().__init__()
         self.inner = inner
-        self._hooks = weakref.proxy(hooks)
+        self._hooks = weakref.ref(hooks)  # a dropped, never removed handle codes nothing
         self._layer = layer
         self._head_dim = head_dim
 
     def forward(self, positions, query, key=None, *args, **kwargs):
-        hooks, layer = self._hooks, self._layer
-        plan = hooks._plan
-        if key is None or plan is None:
+        hooks, layer = self._hooks(), self._layer
+        plan = None if hooks is None else hooks._plan
+        if key is None or hooks is None or plan is None:
             return self.inner(positions, query, key, *args, **kwargs)
         k_hat = hooks.coder.roundtrip(key, layer, "k", plan, self._head_dim)
         if k_hat is key:
