@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -118,8 +118,7 @@ class VLLMHookConfig:
             raise ValueError(
                 f"min_tokens must be >= 2 (one token has no PCA), got {self.min_tokens}"
             )
-        recipe = calibrated_recipe() if self.calibration else self_calibrated_recipe()
-        object.__setattr__(self, "_recipe", recipe)
+        object.__setattr__(self, "_recipe", _recipe_for(self.calibration))
 
     @property
     def codec_params(self) -> dict[str, kt.CodecParams]:
@@ -140,15 +139,12 @@ class VLLMHookConfig:
         """From plain data (parsed JSON); unknown keys are an error, not ignored."""
         if not isinstance(d, dict):
             raise TypeError(f"config must be a JSON object, got {type(d).__name__}")
-        allowed = {
-            "mode", "hook", "streams", "k_params", "v_params", "calibration", "skip_layers",
-            "sink_tokens", "min_tokens", "stats_file",
-        }
+        allowed = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(d) - allowed)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; allowed: {sorted(allowed)}")
         kw = dict(d)
-        recipe = calibrated_recipe() if kw.get("calibration") else self_calibrated_recipe()
+        recipe = _recipe_for(kw.get("calibration"))
         for stream in ("k", "v"):
             over = kw.pop(f"{stream}_params", None)
             if over is None:
@@ -197,6 +193,11 @@ class VLLMHookConfig:
             "min_tokens": self.min_tokens,
             "stats_file": self.stats_file,
         }
+
+
+def _recipe_for(calibration: Any) -> Recipe:
+    """The recipe a config's parameters start from: with or without a calibration bundle."""
+    return calibrated_recipe() if calibration else self_calibrated_recipe()
 
 
 def _is_int(x: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from .coder import ForwardPlan, KVCoder, plan_forward, runs_from_query_starts
+from .coder import ForwardPlan, HookStats, KVCoder, plan_forward, runs_from_query_starts
 from .config import VLLMHookConfig
 
 __all__ = ["KakeyaVLLMHooks", "PRE_ROPE_FAMILIES", "install_hooks", "layer_index"]
@@ -252,8 +252,6 @@ class KakeyaVLLMHooks:
         return out
 
     def reset_stats(self) -> None:
-        from .coder import HookStats
-
         self.coder.stats = HookStats()
 
     def remove(self) -> None:
