@@ -1,9 +1,10 @@
-"""Crossing between torch tensors (wherever vLLM keeps them) and the Rust codec, via DLPack.
+"""Moving vLLM's tensors to the host codec and back, timed.
 
 The codec runs on the CPU and has no GPU-resident path. So:
 
-* a CPU tensor crosses with no copy: :func:`host_array` is ``np.from_dlpack`` of the tensor
-  itself, and the decoded numpy array comes back through ``torch.from_dlpack``;
+* a CPU tensor crosses with no copy: ``kt.encode_batch`` reads it through DLPack
+  (``kakeyaturbo._arrays.to_core``) and ``kt.decode_batch(out="torch")`` wraps the decoded
+  array without a copy;
 * a CUDA tensor takes an explicit device-to-host copy before and a host-to-device copy after.
   Both are timed (after a device synchronisation, so that kernels still queued are not charged
   to the copy) and counted in :class:`TransferStats`, which the hooks report.
@@ -14,10 +15,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-__all__ = ["TransferStats", "from_host_array", "host_array", "to_device", "to_host"]
+__all__ = ["TransferStats", "to_device", "to_host"]
 
 
 @dataclass
@@ -30,12 +30,7 @@ class TransferStats:
     h2d_seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "d2h_bytes": self.d2h_bytes,
-            "h2d_bytes": self.h2d_bytes,
-            "d2h_seconds": self.d2h_seconds,
-            "h2d_seconds": self.h2d_seconds,
-        }
+        return dict(vars(self))
 
 
 def _sync(device: torch.device) -> None:
@@ -66,16 +61,3 @@ def to_device(x: torch.Tensor, device: torch.device, stats: TransferStats) -> to
     stats.h2d_bytes += x.numel() * x.element_size()
     return out
 
-
-def host_array(x: torch.Tensor) -> np.ndarray:
-    """A numpy view of a contiguous float32 CPU tensor, through DLPack (no copy)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(
-            f"host_array takes a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
-        )
-    return np.from_dlpack(x.detach())
-
-
-def from_host_array(a: np.ndarray) -> torch.Tensor:
-    """A torch view of a numpy array, through DLPack (no copy)."""
-    return torch.from_dlpack(np.ascontiguousarray(a))
