@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
@@ -69,3 +71,62 @@ def test_capture_writes_pre_and_post_rope_keys(model_dir, eval_text, tmp_path, c
     # Position 0 has rotation angle 0: pre- and post-RoPE keys agree there, not later.
     np.testing.assert_allclose(t["layer0.k"][:, 0], t["layer0.k_pre_rope"][:, 0], atol=1e-5)
     assert not np.allclose(t["layer0.k"][:, 5], t["layer0.k_pre_rope"][:, 5], atol=1e-3)
+
+
+def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_and_bench_parser_import_no_torch(tmp_path):
+    """`--help` and `bench`'s parser import only the chosen command's module, so they start fast
+    and work on the base install (numpy, tqdm, safetensors); then bench runs."""
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((2, 64, 32), np.float32))
+    res = _python(
+        "import sys\n"
+        "from kakeyaturbo.cli import build_parser, main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0\n"
+        "build_parser('bench').parse_args(['bench', 'x.npy'])\n"
+        "heavy = sorted({'torch', 'transformers'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+        "assert main(['bench', 'x.npy', '--repeats', '1']) == 0\n",
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout[res.stdout.index("{") :])["shape"] == [2, 64, 32]
+    for name in ("bench", "capture", "calibrate", "eval", "report"):
+        assert f"    {name}" in res.stdout
+
+
+def test_commands_without_their_extra_name_it(tmp_path):
+    """Without torch (a None entry in sys.modules blocks an import), the optional commands and
+    kakeyaturbo.hf say which extra to install."""
+    res = _python(
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from kakeyaturbo.cli import main\n"
+        "data = ['--model', 'm', '--text', 't']\n"
+        "assert main(['eval', 'ppl', *data, '--method', 'kakeya']) == 1\n"
+        "assert main(['capture', *data, '--out', 'kv.safetensors']) == 1\n"
+        "assert main(['calibrate', *data, '--out', 'calib']) == 1\n"
+        "try:\n"
+        "    import kakeyaturbo.hf\n"
+        "except ImportError as e:\n"
+        "    print(e, file=sys.stderr)\n",
+        tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    assert lines == [
+        "error: kakeyaturbo eval needs 'torch', which is not installed: "
+        "pip install 'kakeyaturbo[eval]'",
+        "error: kakeyaturbo capture needs 'torch', which is not installed: "
+        "pip install 'kakeyaturbo[hf]'",
+        "error: kakeyaturbo calibrate needs 'torch', which is not installed: "
+        "pip install 'kakeyaturbo[hf]'",
+        "kakeyaturbo.hf needs torch, which is not installed: pip install 'kakeyaturbo[hf]'",
+    ]

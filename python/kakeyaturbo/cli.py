@@ -1,43 +1,118 @@
-"""The ``kakeyaturbo`` command line. Each sub-command lives in its own module and
-registers itself; optional ones (evaluation, calibration) are skipped with a note when
-their dependencies are missing."""
+"""The ``kakeyaturbo`` command line.
+
+Each sub-command lives in its own module with a ``register(subparsers)`` function. Only the
+module of the command being run is imported, so ``kakeyaturbo --help`` and ``kakeyaturbo bench``
+work on the base install (numpy, tqdm, safetensors) and start without importing torch. A
+command whose optional dependencies are missing names the extra to install instead of ending
+in a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# module path -> what it provides; each module has register(subparsers).
-_COMMANDS = [
-    "kakeyaturbo.bench_cli",
-    "kakeyaturbo.capture_cli",
-    "kakeyaturbo.eval.cli",
-    "kakeyaturbo.calibration.cli",
-]
+
+@dataclass(frozen=True)
+class _Command:
+    module: str  # has register(subparsers), which adds this command's parser
+    extra: Optional[str]  # the pip extra holding its dependencies; None: the base install
+    help: str  # the line `kakeyaturbo --help` shows without importing the module
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMMANDS = {
+    "bench": _Command(
+        "kakeyaturbo.bench_cli", None, "encode/decode a .npy/.safetensors tensor, print JSON"
+    ),
+    "capture": _Command(
+        "kakeyaturbo.capture_cli", "hf", "capture K/V from a local model to .safetensors"
+    ),
+    "calibrate": _Command(
+        "kakeyaturbo.calibration.cli", "hf", "fit a calibration bundle (query-aware key frames)"
+    ),
+    "eval": _Command(
+        "kakeyaturbo.eval.cli", "eval", "quality and bytes of KV codecs against peers"
+    ),
+    "report": _Command(
+        "kakeyaturbo.eval.cli", "eval", "regenerate reports/README.md from the JSON results"
+    ),
+}
+
+
+# Packages that come with an extra other than the command's own.
+_PACKAGE_EXTRA = {"optimum": "peers", "hqq": "peers", "vllm": "vllm"}
+
+
+class MissingExtraError(ImportError):
+    """A command needs a package that only one of the package's extras installs."""
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    """``--model``, as every command that loads a model takes it (`kakeyaturbo.modeling`)."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local Hugging Face model folder, or a GGUF file (or a folder holding one)",
+    )
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> Optional[MissingExtraError]:
+    """The user-facing error for `exc`, if it is a third-party package `command` lacks."""
+    package = (exc.name or "").split(".")[0]
+    extra = _COMMANDS[command].extra
+    if not package or package == "kakeyaturbo" or extra is None:
+        return None
+    extra = _PACKAGE_EXTRA.get(package, extra)
+    return MissingExtraError(
+        f"kakeyaturbo {command} needs {package!r}, which is not installed: "
+        f"pip install 'kakeyaturbo[{extra}]'"
+    )
+
+
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The sub-command `argv` names (the top-level parser's only options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser, with `command`'s module imported and registered and the other commands as
+    one-line entries for ``--help`` (``None``: entries only).
+
+    Raises `MissingExtraError` when `command` needs an extra that is not installed.
+    """
     parser = argparse.ArgumentParser(prog="kakeyaturbo", description="KV-cache codec tools")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in _COMMANDS:
+    chosen = _COMMANDS.get(command) if command else None
+    for name, cmd in _COMMANDS.items():
+        if chosen is None or cmd.module != chosen.module:
+            sub.add_parser(name, help=cmd.help, add_help=False)
+    if chosen is not None:
         try:
-            module = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name and (e.name == mod or mod.startswith(e.name + ".")):
-                continue  # that command is not part of this build
-            raise
+            module = importlib.import_module(chosen.module)
+        except ModuleNotFoundError as exc:
+            err = _missing_extra(command, exc)
+            if err is None:
+                raise
+            raise err from exc
         module.register(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    try:
+        parser = build_parser(command)
+    except MissingExtraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     # Sub-commands record the command line that made their results.
-    args._argv = list(sys.argv[1:] if argv is None else argv)
+    args._argv = argv
     if args.version:
         from . import __version__
 
@@ -46,7 +121,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        err = _missing_extra(args.command, exc)
+        if err is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

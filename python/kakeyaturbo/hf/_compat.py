@@ -9,9 +9,28 @@ and check it once, at import, instead of failing deep inside ``generate``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 
-from packaging.version import Version
+_INSTALL_HINT = "pip install 'kakeyaturbo[hf]'"
+
+
+def _require(module: str) -> None:
+    """Import `module`, or fail naming the extra that installs it (not a bare "No module")."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise ModuleNotFoundError(
+            f"kakeyaturbo.hf needs {module}, which is not installed: {_INSTALL_HINT}", name=module
+        ) from exc
+
+
+for _module in ("torch", "packaging", "transformers"):
+    _require(_module)
+
+from packaging.version import Version  # noqa: E402
 
 #: Inclusive lower bound / exclusive upper bound of the supported transformers releases.
 MIN_TRANSFORMERS = Version("5.18.0")
@@ -22,17 +41,14 @@ def _installed_version() -> Version:
     try:
         return Version(importlib.metadata.version("transformers"))
     except importlib.metadata.PackageNotFoundError as exc:  # pragma: no cover - import guard
-        raise ImportError(
-            "kakeyaturbo.hf needs transformers; install it with "
-            "`pip install 'transformers>=5.18,<6'`"
-        ) from exc
+        raise ImportError(f"kakeyaturbo.hf needs transformers: {_INSTALL_HINT}") from exc
 
 
 TRANSFORMERS_VERSION = _installed_version()
 if not (MIN_TRANSFORMERS <= TRANSFORMERS_VERSION < MAX_TRANSFORMERS_EXCLUSIVE):
     raise ImportError(
         f"kakeyaturbo.hf supports transformers >={MIN_TRANSFORMERS},<{MAX_TRANSFORMERS_EXCLUSIVE} "
-        f"(the v5 layered cache API); found {TRANSFORMERS_VERSION}"
+        f"(the v5 layered cache API); found {TRANSFORMERS_VERSION}: {_INSTALL_HINT}"
     )
 
 from transformers import cache_utils  # noqa: E402  (after the version gate on purpose)
