@@ -139,7 +139,12 @@ def kakeya_factory(model, budget_bytes: int):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="Hugging Face model folder, or a GGUF file (or a folder holding one)",
+    )
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4032])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -159,15 +164,15 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
+    from transformers import DynamicCache, QuantizedCache
 
     import kakeyaturbo as kt
     from kakeyaturbo.hf import KakeyaCache, default_kv_params
+    from kakeyaturbo.modeling import load_model
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    tok = AutoTokenizer.from_pretrained(args.model)
+    model, tok = load_model(args.model)
     need = max(args.contexts)
     text = args.text.read_text(encoding="utf-8")
     all_ids = tok(text[: 8 * need], return_tensors="pt").input_ids

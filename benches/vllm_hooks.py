@@ -26,7 +26,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from kakeyaturbo.capture import load_model, read_tokens  # noqa: E402
+from kakeyaturbo.capture import read_tokens  # noqa: E402
+from kakeyaturbo.modeling import load_model, resolve_model_dir  # noqa: E402
 from kakeyaturbo.vllm import VLLMHookConfig, install_hooks  # noqa: E402
 from vllm_layout import Engine, LlamaForCausalLM  # noqa: E402
 
@@ -43,7 +44,11 @@ def run(model, seqs, prompt, decode):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(REPO.parent / "shared/models/kt-ref-a"))
+    ap.add_argument(
+        "--model",
+        default=str(REPO.parent / "shared/models/kt-ref-a"),
+        help="Llama Hugging Face folder, or a GGUF file (or a folder holding one)",
+    )
     ap.add_argument("--text", default=str(REPO.parent / "shared/data/wikitext-2-raw-test.txt"))
     ap.add_argument("--calibration", help="calibration bundle: adds calibrated configs")
     ap.add_argument("--passages", type=int, default=4, help="batches of two sequences")
@@ -53,8 +58,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # torch's spinning OpenMP workers slow the codec's threads
 
-    model = LlamaForCausalLM(args.model)
-    _, tok = load_model(args.model)
+    model_dir = resolve_model_dir(args.model)
+    model = LlamaForCausalLM(model_dir)
+    _, tok = load_model(model_dir)
     need = args.prompt + args.decode
     batches = [
         [read_tokens(tok, args.text, need, offset_chars=40_000 * (2 * p + j) + 5_000)

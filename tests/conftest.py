@@ -11,6 +11,7 @@ SHARED = REPO.parent / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"
 EVAL_TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 CALIB_TEXT = SHARED / "data" / "calibration-text.txt"
+SMOLLM2_GGUF = SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _require(path: Path) -> Path:
@@ -55,3 +56,22 @@ def real_kv(model_dir, eval_text):
     model, tok = load_model(model_dir)
     ids = read_tokens(tok, eval_text, 1024, offset_chars=10_000)
     return capture_kv(model, ids)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return _require(SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory):
+    """SmolLM2-135M as a float32 Hugging Face folder: the GGUF converted once per session (about
+    30 s) into a temporary kakeyaturbo cache, ``<cache>/models/<stem>-<sha256 prefix>``, removed
+    at the end of the session (it holds 540 MB)."""
+    import shutil
+
+    from kakeyaturbo.modeling import resolve_model_dir
+
+    cache = tmp_path_factory.mktemp("kakeyaturbo-cache")
+    yield resolve_model_dir(smollm2_gguf, cache=cache)
+    shutil.rmtree(cache, ignore_errors=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .cli import add_model_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("capture", help="capture K/V from a local model folder to .safetensors")
-    p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
+    p = sub.add_parser("capture", help="capture K/V from a local model to .safetensors")
+    add_model_argument(p)
     p.add_argument(
         "--text", required=True, type=Path, help="UTF-8 text file to run through the model"
     )
@@ -19,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .capture import capture_kv, load_model, read_tokens, save_tensors
+    from .capture import capture_kv, read_tokens, save_tensors
+    from .modeling import load_model
 
     model, tok = load_model(args.model)
     ids = read_tokens(tok, args.text, args.tokens, args.offset_chars)

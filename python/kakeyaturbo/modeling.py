@@ -1,13 +1,22 @@
-"""Local Hugging Face models and evaluation text: load, tokenize, cut into passages.
+"""Local models and evaluation text: load, tokenize, cut into passages.
 
 No model hub is reachable from the machines this project runs on, so every function here takes a
-local folder (anything `AutoModelForCausalLM.from_pretrained` accepts). Passages are cut
+local path: a Hugging Face model folder (anything `AutoModelForCausalLM.from_pretrained`
+accepts), a GGUF file, or a folder holding one GGUF file and no `config.json`. A GGUF is
+dequantised once, by transformers' own GGUF loader, into a float32 Hugging Face folder in the
+model cache (`resolve_model_dir`), and every later load reads that folder. Passages are cut
 deterministically: `n` windows spread evenly over the tokenized text, so the same command always
 scores the same tokens and no seed is involved.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +25,13 @@ import torch
 __all__ = [
     "KVGeometry",
     "Passage",
+    "cache_dir",
     "cut_passages",
+    "find_gguf",
     "kv_geometry",
     "load_model",
     "read_text",
+    "resolve_model_dir",
     "tokenize_text",
 ]
 
@@ -51,16 +63,16 @@ class Passage:
 
 
 def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa"):
-    """Load a causal LM and its tokenizer from a local folder, in eval mode, on CPU.
+    """Load a causal LM and its tokenizer from a local path, in eval mode, on CPU.
 
-    `dtype` is the compute dtype ("float32" or "bfloat16"); float32 is the default so that the
-    only error in a comparison is the codec's.
+    `path` is a Hugging Face model folder, a GGUF file or a folder holding one GGUF file (see
+    `resolve_model_dir`: a GGUF is converted once, then loaded from the cache). `dtype` is the
+    compute dtype ("float32" or "bfloat16"); float32 is the default so that the only error in a
+    comparison is the codec's.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+    path = resolve_model_dir(path)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
@@ -68,6 +80,105 @@ def load_model(path: str | Path, dtype: str = "float32", attn: str = "sdpa"):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+def cache_dir() -> Path:
+    """kakeyaturbo's cache: `$KAKEYATURBO_CACHE`, by default `~/.cache/kakeyaturbo` (under
+    `$XDG_CACHE_HOME` when that is set). Converted models live in its `models/` folder."""
+    root = os.environ.get("KAKEYATURBO_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kakeyaturbo"
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one `*.gguf` in a folder without a
+    `config.json`. None for a Hugging Face folder; an error for anything else."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: expected a .gguf file or a model folder")
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model file or folder")
+    if (path / "config.json").is_file():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) != 1:
+        what = "no .gguf file" if not ggufs else f"{len(ggufs)} .gguf files (name one)"
+        raise FileNotFoundError(
+            f"{path} is not a Hugging Face model folder (no config.json) and holds {what}"
+        )
+    return ggufs[0]
+
+
+def resolve_model_dir(path: str | Path, cache: str | Path | None = None) -> Path:
+    """The Hugging Face folder to load for `path`.
+
+    A Hugging Face folder is returned as it is. A GGUF (`find_gguf`) maps to
+    `<cache>/models/<stem>-<first 12 hex digits of its sha256>/` (`cache` defaults to
+    `cache_dir()`), which is written on first use: transformers dequantises the GGUF to
+    float32 (about 25 s for SmolLM2-135M on two cores), the config loses its
+    `quantization_config`, and model and tokenizer are saved to a temporary folder that is then
+    renamed into place, so an interrupted conversion never leaves a folder that looks finished.
+    The key is the file's content (hashing 100 MB takes about 0.1 s), so a changed file gets a
+    fresh conversion.
+    """
+    gguf = find_gguf(path)
+    if gguf is None:
+        return Path(path)
+    digest = _sha256(gguf)
+    root = (Path(cache) if cache is not None else cache_dir()) / "models"
+    out = root / f"{gguf.stem}-{digest[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"kakeyaturbo: converting {gguf} to float32 once, into {out}", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=root))
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / "kakeyaturbo-source.json").write_text(
+            json.dumps({"gguf": str(gguf.resolve()), "sha256": digest}, indent=2) + "\n"
+        )
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # not a concurrent run that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise `gguf` with transformers' GGUF loader; save a float32 model folder to `out`."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(
+            f"loading {gguf.name} needs the gguf package: pip install 'kakeyaturbo[hf]'",
+            name="gguf",
+        )
+    kw = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # The weights are plain float32 tensors now; without these two transformers refuses to save
+    # ("quantized with gguf and is not serializable") and would reload through the GGUF path.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def kv_geometry(config) -> KVGeometry:

@@ -7,10 +7,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..cli import add_model_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit a calibration bundle (query-aware key frames, bases)")
-    p.add_argument("--model", required=True, type=Path, help="local Hugging Face model folder")
+    add_model_argument(p)
     p.add_argument(
         "--text", required=True, type=Path, help="calibration text (never the evaluation text)"
     )
@@ -33,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..capture import load_model
+    from ..modeling import load_model
     from .fit import calibrate
 
     model, tok = load_model(args.model)

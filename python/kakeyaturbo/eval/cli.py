@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from kakeyaturbo.cli import add_model_argument
+
 __all__ = ["main", "register"]
 
 DEFAULT_CTX, DEFAULT_N_EVAL, DEFAULT_PASSAGES = 960, 64, 16
@@ -29,7 +31,7 @@ def _progress(args) -> bool:
 
 
 def _add_data(p: argparse.ArgumentParser, passages: bool = True) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    add_model_argument(p)
     p.add_argument(
         "--text", required=True, help="evaluation text file (never the calibration text)"
     )
