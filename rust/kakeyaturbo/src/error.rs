@@ -14,11 +14,13 @@ pub enum Error {
     /// The input array has the wrong shape or size.
     #[error("invalid input shape: {0}")]
     Shape(String),
-    /// The input holds NaN or infinity.
-    #[error("input contains a non-finite value (NaN or Inf) at flat index {index}")]
+    /// The `[tokens, head_dim]` input holds NaN or infinity.
+    #[error("input contains a non-finite value (NaN or Inf) at token {token}, dim {dim}")]
     NonFinite {
-        /// Flat index of the first offending element.
-        index: usize,
+        /// Row of the first offending element.
+        token: usize,
+        /// Column of the first offending element.
+        dim: usize,
     },
     /// The byte string is not a valid encoding (corrupt, truncated, out of limits).
     #[error("corrupt or invalid encoded data: {0}")]
@@ -39,7 +41,8 @@ pub enum Error {
         /// Checksum of the bytes read.
         computed: u32,
     },
-    /// The blob was written by a format version this build cannot read.
+    /// The blob was written by a format version this build cannot read (it reads the
+    /// versions in [`crate::format::READABLE_VERSIONS`]).
     #[error("unsupported format version {0} (this build reads version {max})", max = crate::format::FORMAT_VERSION)]
     UnsupportedVersion(u16),
 }

@@ -11,7 +11,15 @@
 //!
 //! Initialisation is k-means++ (Arthur & Vassilvitskii 2007) on the sphere, with distance
 //! `1 - cos^2`, seeded for reproducibility.
+//!
+//! Applying the skeleton to a block ([`apply`]) rounds the centres to the skeleton dtype
+//! *before* use, stores `t_i = <c_i, mu_{a_i}> / |mu_{a_i}|^2` rounded to f16 (the rounded
+//! centres are unit only approximately) and leaves the residual `r_i = c_i - t_i mu_{a_i}`
+//! in place; decoding adds `t_i mu_{a_i}` back ([`SkeletonCodes::add_back`]).
 
+use half::f16;
+
+use crate::params::{CodecParams, MAX_MAGNITUDE};
 use crate::rng::SplitMix64;
 
 const KMEANS_STREAM: u64 = 0x4B4D_4541; // "KMEA"
@@ -27,7 +35,97 @@ pub struct Skeleton {
     pub iters: usize,
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// A block's skeleton as stored: rounded centres, and per vector a centre id and `t`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SkeletonCodes {
+    /// `k_used x d_eff` unit centres, rounded to the skeleton dtype.
+    pub centres: Vec<f32>,
+    /// Centres stored (0: no skeleton).
+    pub k_used: usize,
+    /// k-means iterations run (statistics only).
+    pub iters: u32,
+    /// Centre id per vector (empty when `k_used == 0`).
+    pub labels: Vec<u16>,
+    /// Skeleton coefficient per vector (empty when `k_used == 0`).
+    pub t: Vec<f16>,
+}
+
+impl SkeletonCodes {
+    /// Adds `t_i mu_{a_i}` back to the residual `c` of vector `i` (length `d_eff`).
+    pub fn add_back(&self, i: usize, c: &mut [f32]) {
+        if self.k_used == 0 {
+            return;
+        }
+        let d_eff = c.len();
+        let a = self.labels[i] as usize;
+        let t = self.t[i].to_f32();
+        for (cj, &m) in c.iter_mut().zip(&self.centres[a * d_eff..(a + 1) * d_eff]) {
+            *cj += t * m;
+        }
+    }
+}
+
+/// Bits per centre label: 0 for at most one centre.
+pub fn label_bits(k_used: usize) -> u32 {
+    if k_used <= 1 {
+        0
+    } else {
+        usize::BITS - (k_used - 1).leading_zeros()
+    }
+}
+
+/// The k-means seed of block `block_index`: blocks draw independent initialisations.
+pub fn block_seed(seed: u64, block_index: usize) -> u64 {
+    seed ^ (block_index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// Fits the skeleton of `n` coefficient rows (length `d_eff`, weights `w`), stores it and
+/// turns `coeffs` into the residuals. `p.k == 0` stores nothing and leaves `coeffs` as is.
+pub fn apply(
+    coeffs: &mut [f32],
+    n: usize,
+    d_eff: usize,
+    w: &[f64],
+    p: &CodecParams,
+    seed: u64,
+) -> SkeletonCodes {
+    if p.k == 0 {
+        return SkeletonCodes::default();
+    }
+    let sk = fit(coeffs, n, d_eff, p.k, p.kmeans_iters, w, seed);
+    let mut centres = sk.centres;
+    p.skeleton_dtype.round_all(&mut centres);
+    let mut codes = SkeletonCodes {
+        centres,
+        k_used: sk.k_used,
+        iters: sk.iters as u32,
+        labels: Vec::new(),
+        t: Vec::new(),
+    };
+    if sk.k_used == 0 {
+        return codes;
+    }
+    codes.labels.reserve(n);
+    codes.t.reserve(n);
+    let assigned = assign_all(coeffs, n, d_eff, &codes.centres, sk.k_used);
+    for (c, &a) in coeffs.chunks_exact_mut(d_eff).zip(&assigned) {
+        let mu = &codes.centres[a * d_eff..(a + 1) * d_eff];
+        // Centres were rounded, so |mu| is 1 only approximately: project exactly.
+        let t = f16::from_f32(
+            (dot(c, mu) / dot(mu, mu).max(f32::MIN_POSITIVE)).clamp(-MAX_MAGNITUDE, MAX_MAGNITUDE),
+        );
+        let tf = t.to_f32();
+        for (v, &m) in c.iter_mut().zip(mu) {
+            *v -= tf * m;
+        }
+        codes.labels.push(a as u16);
+        codes.t.push(t);
+    }
+    codes
+}
+
+/// `<a, b>` in f32.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
@@ -247,5 +345,59 @@ mod tests {
         let one = fit(&x, n, d, 4, 1, &w, 5);
         let many = fit(&x, n, d, 4, 30, &w, 5);
         assert!(captured(&x, n, d, &many) >= captured(&x, n, d, &one) * 0.999);
+    }
+
+    #[test]
+    fn label_bits_cover_every_centre() {
+        let want = [
+            (0, 0),
+            (1, 0),
+            (2, 1),
+            (3, 2),
+            (4, 2),
+            (16, 4),
+            (17, 5),
+            (4096, 12),
+        ];
+        for (k, bits) in want {
+            assert_eq!(label_bits(k), bits, "k = {k}");
+        }
+    }
+
+    #[test]
+    fn apply_then_add_back_restores_the_coefficients() {
+        let (n, d) = (64, 6);
+        let mut g = SplitMix64::new(4, 4);
+        let x: Vec<f32> = (0..n * d).map(|_| g.normal() as f32).collect();
+        let w = vec![1.0 / n as f64; n];
+        let p = CodecParams {
+            k: 4,
+            ..Default::default()
+        };
+        let mut r = x.clone();
+        let sk = apply(&mut r, n, d, &w, &p, block_seed(p.seed, 3));
+        assert_eq!((sk.k_used, sk.labels.len(), sk.t.len()), (4, n, n));
+        let removed: f64 = r.iter().map(|&v| (v as f64).powi(2)).sum();
+        let total: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
+        assert!(removed < total);
+        for (i, c) in r.chunks_exact_mut(d).enumerate() {
+            sk.add_back(i, c);
+        }
+        let err = x
+            .iter()
+            .zip(&r)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(err < 1e-5, "{err}");
+        let none = CodecParams {
+            k: 0,
+            ..Default::default()
+        };
+        let mut same = x.clone();
+        assert_eq!(
+            apply(&mut same, n, d, &w, &none, 0),
+            SkeletonCodes::default()
+        );
+        assert_eq!(same, x);
     }
 }

@@ -5,21 +5,25 @@
 //! blocks; each block goes through:
 //!
 //! 1. **Weighted PCA** ([`pca`], [`rsvd`]): mean and an orthonormal basis of `d_eff`
-//!    components, exact or by the Halko-Martinsson-Tropp randomized range finder.
+//!    components, exact or by the Halko-Martinsson-Tropp randomized range finder, and the
+//!    projection onto it; or a caller-supplied basis ([`basis`]).
 //! 2. **Spherical k-means skeleton** ([`kmeans`]): each coefficient vector stores a
 //!    centre id and a scalar `t`; the residual is `coeff - t * centre`.
 //! 3. **Rotation** ([`wht`]): seeded random signs and an *orthonormal* Walsh-Hadamard
 //!    transform, then a per-vector scale so the coordinates have unit second moment.
 //! 4. **Lloyd-Max scalar quantisation** ([`lloyd_max`]) with Gaussian or calibrated
 //!    codebooks, and **sparse outliers** ([`outliers`]) for coordinates beyond a threshold.
-//!    With `Allocation::Waterfill`, steps 2-4 become transform coding instead: bits
-//!    are spent per PCA component by reverse water-filling ([`waterfill`]).
+//!    Steps 2-4 are the uniform allocation ([`uniform`]). With `Allocation::Waterfill`
+//!    they become transform coding instead: bits are spent per PCA component by reverse
+//!    water-filling ([`waterfill`]).
 //! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format ([`format`]).
 //!
-//! The pipeline lives in [`codec`]; parameters in [`params`]. The decoder treats every
-//! byte as hostile: decoding either succeeds or returns [`Error`], never panics.
+//! The layer and block driver lives in [`codec`], parameters in [`params`], per-stage error
+//! diagnostics in [`stages`]. The decoder treats every byte as hostile: decoding either
+//! succeeds or returns [`Error`], never panics.
 #![forbid(unsafe_code)]
 
+pub mod basis;
 pub mod bitpack;
 pub mod codec;
 pub mod error;
@@ -31,12 +35,19 @@ pub mod params;
 pub mod pca;
 pub mod rng;
 pub mod rsvd;
+pub mod stages;
+#[cfg(test)]
+mod test_data;
+pub mod uniform;
 pub mod waterfill;
 pub mod wht;
 
+pub use basis::{BasisRef, ExternalBasis};
 pub use codec::{
-    decode_layer, decode_layer_with, encode_block, encode_layer, encode_layer_with, stage_errors,
-    BasisRef, BlockStats, EncodedBlock, EncodedLayer, ExternalBasis, SharedBasis, StageErrors,
+    check_batch_decode, decode_layer, decode_layer_with, encode_block, encode_layer,
+    encode_layer_with, BlockBody, BlockStats, EncodedBlock, EncodedLayer,
 };
 pub use error::{Error, Result};
 pub use params::{Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
+pub use pca::SharedBasis;
+pub use stages::{stage_errors, StageErrors};

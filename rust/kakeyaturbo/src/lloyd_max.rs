@@ -100,10 +100,11 @@ impl Codebook {
                 samples.len()
             )));
         }
-        if samples.iter().any(|v| !v.is_finite()) {
-            return Err(Error::NonFinite {
-                index: samples.iter().position(|v| !v.is_finite()).unwrap_or(0),
-            });
+        if let Some(i) = samples.iter().position(|v| !v.is_finite()) {
+            return Err(Error::InvalidParams(format!(
+                "samples must be finite: index {i} is {}",
+                samples[i]
+            )));
         }
         let mut xs: Vec<f32> = samples.to_vec();
         xs.sort_by(|a, b| a.total_cmp(b));

@@ -1,6 +1,8 @@
 //! Codec parameters and their validation. Every combination that cannot work is rejected
 //! here, at construction, so the encoder never has to guess.
 
+use half::{bf16, f16};
+
 use crate::error::{Error, Result};
 
 /// How the PCA basis is fitted.
@@ -57,6 +59,21 @@ impl SkeletonDtype {
             SkeletonDtype::F32 => 4,
         }
     }
+
+    /// `v` rounded to this precision (and back to f32): side information is rounded
+    /// *before* use, so the decoder sees exactly what the encoder used.
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            SkeletonDtype::F16 => f16::from_f32(v).to_f32(),
+            SkeletonDtype::Bf16 => bf16::from_f32(v).to_f32(),
+            SkeletonDtype::F32 => v,
+        }
+    }
+
+    /// [`SkeletonDtype::round`] in place.
+    pub fn round_all(self, v: &mut [f32]) {
+        v.iter_mut().for_each(|x| *x = self.round(*x));
+    }
 }
 
 /// The dtype of the tensor that was encoded (decode returns the same).
@@ -76,6 +93,39 @@ pub const MAX_HEAD_DIM: usize = 4096;
 pub const MAX_BLOCK_SIZE: usize = 65_536;
 /// Largest number of k-means centres.
 pub const MAX_K: usize = 4096;
+/// Largest number of k-means iterations (the wire stores it in 32 bits).
+pub const MAX_KMEANS_ITERS: usize = 1 << 16;
+/// Largest randomized-PCA oversampling.
+pub const MAX_OVERSAMPLE: usize = 1024;
+/// Largest number of randomized-PCA power iterations.
+pub const MAX_POWER_ITERS: usize = 64;
+/// Largest input magnitude, and largest magnitude of any f16 side value (f16's finite
+/// range, with headroom).
+pub const MAX_MAGNITUDE: f32 = 60_000.0;
+
+/// Inclusive bounds of every integer field, in declaration order. [`CodecParams::validate`]
+/// enforces them (with the rules that tie fields together on top, such as `k <= block_size`
+/// and `bit_width` in {1, 2, 3, 4, 8}); bindings use them to name the range of a value that
+/// does not even fit the field's type.
+pub const INT_FIELD_BOUNDS: [(&str, u64, u64); 9] = [
+    ("block_size", 1, MAX_BLOCK_SIZE as u64),
+    ("bit_width", 1, 8),
+    ("target_rank", 0, MAX_HEAD_DIM as u64),
+    ("oversample", 0, MAX_OVERSAMPLE as u64),
+    ("power_iters", 0, MAX_POWER_ITERS as u64),
+    ("rank_cap", 0, MAX_HEAD_DIM as u64),
+    ("k", 0, MAX_K as u64),
+    ("kmeans_iters", 0, MAX_KMEANS_ITERS as u64),
+    ("seed", 0, u64::MAX),
+];
+
+/// The bounds of the integer field `name` (None for other fields).
+pub fn int_field_bounds(name: &str) -> Option<(u64, u64)> {
+    INT_FIELD_BOUNDS
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|&(_, lo, hi)| (lo, hi))
+}
 
 /// Every knob of the codec. Construct with [`CodecParams::default`] and adjust, then
 /// call [`CodecParams::validate`] (the encoder does it too).
@@ -149,14 +199,34 @@ fn invalid<T>(msg: String) -> Result<T> {
     Err(Error::InvalidParams(msg))
 }
 
+/// The error for an integer field outside `lo..=hi`; `got` is the value as the caller can
+/// print it (a binding may hold one that no Rust integer type fits).
+pub fn int_bound_error(name: &str, lo: u64, hi: u64, got: impl std::fmt::Display) -> Error {
+    Error::InvalidParams(format!("{name} must be in {lo}..={hi}, got {got}"))
+}
+
 impl CodecParams {
+    /// The integer fields with their values, in the order of [`INT_FIELD_BOUNDS`].
+    fn int_fields(&self) -> [u64; 9] {
+        [
+            self.block_size as u64,
+            self.bit_width as u64,
+            self.target_rank as u64,
+            self.oversample as u64,
+            self.power_iters as u64,
+            self.rank_cap as u64,
+            self.k as u64,
+            self.kmeans_iters as u64,
+            self.seed,
+        ]
+    }
+
     /// Checks every field and every combination; the message names the field.
     pub fn validate(&self) -> Result<()> {
-        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
-            return invalid(format!(
-                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {}",
-                self.block_size
-            ));
+        for ((name, lo, hi), v) in INT_FIELD_BOUNDS.iter().zip(self.int_fields()) {
+            if v < *lo || v > *hi {
+                return Err(int_bound_error(name, *lo, *hi, v));
+            }
         }
         if !matches!(self.bit_width, 1 | 2 | 3 | 4 | 8) {
             return invalid(format!(
@@ -169,9 +239,6 @@ impl CodecParams {
                 "variance_ratio must be in (0, 1], got {}",
                 self.variance_ratio
             ));
-        }
-        if self.k > MAX_K {
-            return invalid(format!("k must be at most {MAX_K}, got {}", self.k));
         }
         if self.k > 0 && self.kmeans_iters == 0 {
             return invalid("kmeans_iters must be >= 1 when k > 0".into());
@@ -187,14 +254,6 @@ impl CodecParams {
                 "outlier_threshold must be > 0 (inf disables), got {}",
                 self.outlier_threshold
             ));
-        }
-        if self.target_rank > MAX_HEAD_DIM || self.rank_cap > MAX_HEAD_DIM {
-            return invalid(format!(
-                "target_rank and rank_cap must be at most {MAX_HEAD_DIM}"
-            ));
-        }
-        if self.oversample > 1024 || self.power_iters > 64 {
-            return invalid("oversample must be <= 1024 and power_iters <= 64".into());
         }
         if self.pca_method == PcaMethod::None && (self.variance_ratio < 1.0 || self.rank_cap != 0) {
             return invalid(
@@ -306,12 +365,65 @@ mod tests {
                 centroids: Some(vec![1.0, -1.0]),
                 ..Default::default()
             },
+            CodecParams {
+                kmeans_iters: MAX_KMEANS_ITERS + 1,
+                ..Default::default()
+            },
+            CodecParams {
+                oversample: MAX_OVERSAMPLE + 1,
+                ..Default::default()
+            },
+            CodecParams {
+                k: MAX_K + 1,
+                block_size: MAX_BLOCK_SIZE,
+                ..Default::default()
+            },
         ];
         for p in bad {
             assert!(
                 matches!(p.validate(), Err(Error::InvalidParams(_))),
                 "{p:?}"
             );
+        }
+    }
+
+    #[test]
+    fn int_bounds_name_the_field_and_range() {
+        assert_eq!(int_field_bounds("k"), Some((0, MAX_K as u64)));
+        assert_eq!(int_field_bounds("seed"), Some((0, u64::MAX)));
+        assert_eq!(int_field_bounds("variance_ratio"), None);
+        let p = CodecParams {
+            power_iters: 65,
+            ..Default::default()
+        };
+        let msg = p.validate().unwrap_err().to_string();
+        assert!(
+            msg.contains("power_iters must be in 0..=64, got 65"),
+            "{msg}"
+        );
+        // Every bounded field is checked: its upper bound plus one is rejected by name.
+        let d = CodecParams::default();
+        for (i, (name, _, hi)) in INT_FIELD_BOUNDS.iter().enumerate() {
+            if *hi == u64::MAX {
+                continue;
+            }
+            let mut vals = d.int_fields();
+            vals[i] = hi + 1;
+            let p = CodecParams {
+                block_size: vals[0] as usize,
+                bit_width: vals[1].min(255) as u8,
+                target_rank: vals[2] as usize,
+                oversample: vals[3] as usize,
+                power_iters: vals[4] as usize,
+                rank_cap: vals[5] as usize,
+                k: vals[6] as usize,
+                kmeans_iters: vals[7] as usize,
+                seed: vals[8],
+                pca_method: PcaMethod::Randomized,
+                ..d.clone()
+            };
+            let msg = p.validate().unwrap_err().to_string();
+            assert!(msg.contains(name), "{name}: {msg}");
         }
     }
 }

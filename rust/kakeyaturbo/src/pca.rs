@@ -11,10 +11,18 @@
 //! (capped by the caller's maximum). `variance_ratio = 1.0` keeps every component with
 //! non-negligible variance: a lossless projection. Hard truncation at 95% looked cheap in
 //! an earlier codec and threw away energy attention needed; the default here is 1.0.
+//!
+//! The codec's use of a fit ([`fit_basis`], [`project`], [`unproject`]): the mean and the
+//! `d_eff x D` basis `B` are rounded to the skeleton dtype *before* use, so the decoder sees
+//! exactly what the encoder used; coefficients are `c_i = B (x_i - mean)` and the
+//! reconstruction is `x_hat_i = mean + B^T c_hat_i`. `pca_method = none` keeps an empty
+//! basis: the identity, `d_eff = D`, only the mean removed.
 
-use nalgebra::{DMatrix, SymmetricEigen};
+use nalgebra::{DMatrix, DMatrixView, DMatrixViewMut, SymmetricEigen};
 
 use crate::error::{Error, Result};
+use crate::params::{CodecParams, PcaMethod};
+use crate::rsvd;
 
 /// A fitted PCA: mean, orthonormal basis rows and the spectrum.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,10 +134,135 @@ pub fn fit_exact(
     })
 }
 
+/// A fitted mean and basis as the codec uses them (rounded to the skeleton dtype). Stored
+/// once per layer with `share_basis`, else per block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedBasis {
+    /// Kept components.
+    pub d_eff: usize,
+    /// Mean (length `D`), already rounded to the skeleton dtype.
+    pub mean: Vec<f32>,
+    /// `d_eff x D` rows, already rounded to the skeleton dtype (empty: the identity).
+    pub basis: Vec<f32>,
+}
+
+/// Fits the (rounded) mean and basis of `n` vectors of length `d` by `p.pca_method`.
+pub fn fit_basis(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    w: Option<&[f32]>,
+    p: &CodecParams,
+) -> Result<SharedBasis> {
+    let max_rank = p.max_rank(d);
+    let fit: PcaFit = match p.pca_method {
+        PcaMethod::None => {
+            let w = normalised_weights(n, w)?;
+            return Ok(SharedBasis {
+                d_eff: d,
+                mean: rounded_mean(x, n, d, &w, p),
+                basis: Vec::new(),
+            });
+        }
+        PcaMethod::Exact => fit_exact(x, n, d, w, p.variance_ratio, max_rank)?,
+        PcaMethod::Randomized => rsvd::fit_randomized(
+            x,
+            n,
+            d,
+            w,
+            p.variance_ratio,
+            max_rank,
+            p.target_rank,
+            p.oversample,
+            p.power_iters,
+            p.seed,
+        )?,
+    };
+    let mut mean = fit.mean;
+    let mut basis = fit.basis;
+    p.skeleton_dtype.round_all(&mut mean);
+    p.skeleton_dtype.round_all(&mut basis);
+    Ok(SharedBasis {
+        d_eff: fit.d_eff,
+        mean,
+        basis,
+    })
+}
+
+/// Weighted mean rounded to the skeleton dtype (the mean of an identity or external basis).
+pub fn rounded_mean(x: &[f32], n: usize, d: usize, w: &[f64], p: &CodecParams) -> Vec<f32> {
+    let mut mean: Vec<f32> = weighted_mean(x, n, d, w)
+        .iter()
+        .map(|&m| m as f32)
+        .collect();
+    p.skeleton_dtype.round_all(&mut mean);
+    mean
+}
+
+/// `n x d_eff` coefficients `B (x_i - mean)` (an empty basis is the identity).
+pub fn project(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    mean: &[f32],
+    basis: &[f32],
+    d_eff: usize,
+) -> Vec<f32> {
+    let centred: Vec<f32> = x
+        .chunks_exact(d)
+        .flat_map(|row| row.iter().zip(mean).map(|(v, m)| v - m))
+        .collect();
+    if basis.is_empty() {
+        return centred;
+    }
+    // Row-major buffers read column-major are transposes: C^T (d_eff x n) = B (d_eff x d)
+    // X_c^T (d x n). B must be column-major for that, so transpose it once (small).
+    let b_cm = DMatrix::from_row_slice(d_eff, d, basis);
+    let xt = DMatrixView::from_slice(&centred, d, n);
+    let ct = b_cm * xt;
+    debug_assert_eq!(ct.nrows(), d_eff);
+    ct.data.into()
+}
+
+/// `x_i = mean + B^T c_i`, written into `out` (n x d).
+pub fn unproject(
+    coeffs: &[f32],
+    n: usize,
+    d: usize,
+    mean: &[f32],
+    basis: &[f32],
+    d_eff: usize,
+    out: &mut [f32],
+) {
+    if basis.is_empty() {
+        // Identity basis (pca_method 'none'): d_eff == d.
+        for (row, c) in out.chunks_exact_mut(d).zip(coeffs.chunks_exact(d_eff)) {
+            for ((o, &m), &v) in row.iter_mut().zip(mean).zip(c) {
+                *o = m + v;
+            }
+        }
+        return;
+    }
+    // X_hat^T (d x n) = B^T (d x d_eff, the row-major basis read column-major) C^T.
+    let bt = DMatrixView::from_slice(basis, d, d_eff);
+    let ct = DMatrixView::from_slice(coeffs, d_eff, n);
+    let mut xt = DMatrixViewMut::from_slice(out, d, n);
+    xt.gemm(1.0, &bt, &ct, 0.0);
+    for row in out.chunks_exact_mut(d) {
+        for (o, &m) in row.iter_mut().zip(mean) {
+            *o += m;
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::codec::{decode_layer, encode_layer, EncodedLayer};
+    use crate::params::InputDtype;
     use crate::rng::SplitMix64;
+    use crate::stages::rel_err;
+    use crate::test_data::{kv_like, roundtrip};
 
     /// Rows with variance `scales[j]^2` along a random orthonormal frame.
     pub(crate) fn anisotropic(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -187,5 +320,93 @@ pub(crate) mod tests {
         assert!((fit.mean[0] - 2.5).abs() < 1e-5);
         assert!(fit_exact(&x, 2, 2, Some(&[1.0, -1.0]), 1.0, 2).is_err());
         assert!(fit_exact(&x, 2, 2, Some(&[1.0]), 1.0, 2).is_err());
+    }
+
+    #[test]
+    fn variance_ratio_and_rank_cap_bound_d_eff() {
+        let (n, d) = (512, 64);
+        let x = kv_like(n, d, 6);
+        let p = CodecParams {
+            rank_cap: 20,
+            ..Default::default()
+        };
+        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        assert_eq!(enc.stats()[0].d_eff, 20);
+        let p = CodecParams {
+            variance_ratio: 0.5,
+            ..Default::default()
+        };
+        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        assert!(enc.stats()[0].d_eff < 40);
+    }
+
+    #[test]
+    fn randomized_pca_close_to_exact() {
+        let (n, d) = (512, 64);
+        let x = kv_like(n, d, 7);
+        let ex = CodecParams {
+            bit_width: 4,
+            ..Default::default()
+        };
+        let rp = CodecParams {
+            pca_method: PcaMethod::Randomized,
+            ..ex.clone()
+        };
+        let (ye, _) = roundtrip(&x, n, d, &ex);
+        let (yr, _) = roundtrip(&x, n, d, &rp);
+        let (ee, er) = (rel_err(&x, &ye), rel_err(&x, &yr));
+        assert!(er < ee * 1.1 + 1e-3, "randomized {er} vs exact {ee}");
+    }
+
+    #[test]
+    fn pca_none_stores_no_basis_and_roundtrips() {
+        let (n, d) = (1024, 64);
+        let x = kv_like(n, d, 12);
+        let none = CodecParams {
+            pca_method: PcaMethod::None,
+            k: 0,
+            bit_width: 3,
+            ..Default::default()
+        };
+        let exact = CodecParams {
+            pca_method: PcaMethod::Exact,
+            ..none.clone()
+        };
+        let (yn, en) = roundtrip(&x, n, d, &none);
+        let (_, ee) = roundtrip(&x, n, d, &exact);
+        assert_eq!(en.stats()[0].d_eff, d);
+        // Two blocks' D x D fp16 bases are not stored.
+        let outl = |e: &EncodedLayer| {
+            e.stats()
+                .iter()
+                .map(|s| s.n_outliers as isize)
+                .sum::<isize>()
+        };
+        let diff = ee.nbytes() as isize - en.nbytes() as isize;
+        assert_eq!(diff, 2 * (d * d * 2) as isize + 6 * (outl(&ee) - outl(&en)));
+        assert!(rel_err(&x, &yn) < 0.2);
+        let back = EncodedLayer::from_bytes(en.as_bytes().to_vec()).unwrap();
+        assert_eq!(decode_layer(&back).unwrap(), yn);
+        let bad = CodecParams {
+            variance_ratio: 0.9,
+            ..none
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn project_then_unproject_is_exact_at_full_rank() {
+        let (n, d) = (40, 8);
+        let x = anisotropic(n, d, 4);
+        let p = CodecParams {
+            skeleton_dtype: crate::params::SkeletonDtype::F32,
+            ..Default::default()
+        };
+        let sb = fit_basis(&x, n, d, None, &p).unwrap();
+        assert_eq!(sb.d_eff, d);
+        let c = project(&x, n, d, &sb.mean, &sb.basis, sb.d_eff);
+        let mut y = vec![0.0; n * d];
+        unproject(&c, n, d, &sb.mean, &sb.basis, sb.d_eff, &mut y);
+        assert!(rel_err(&x, &y) < 1e-5, "{}", rel_err(&x, &y));
     }
 }

@@ -12,8 +12,16 @@
 //!
 //! Each coded coefficient is quantised as `Q_{b_j}(c_j / s_j)`; `s_j` (fp16) and `b_j`
 //! (4 bits) are stored per block, so the allocation follows the block's own statistics.
+//! The budget is `bits_per_value * D` bits per vector. Scaled coefficients beyond the
+//! outlier threshold are stored exactly in f16 ([`crate::outliers`]). Decoding is
+//! `c_hat_j = g_{b_j} s_j Q^-1(q_j)` with the inner-product gain `g` ([`ip_gain`]) for
+//! `Metric::InnerProduct` and 1 otherwise; components with `b_j = 0` decode to 0.
 
-use crate::lloyd_max::gaussian_distortion;
+use half::f16;
+
+use crate::lloyd_max::{self, gaussian_distortion, Codebook};
+use crate::outliers;
+use crate::params::{CodecParams, Metric, MAX_MAGNITUDE};
 
 /// Largest number of bits one component may take.
 pub const MAX_COMPONENT_BITS: u8 = 8;
@@ -60,9 +68,124 @@ pub fn ip_gain(bits: u8) -> f32 {
     }
 }
 
+/// A water-filled block body, codes unpacked (the wire form packs them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WaterfillBody {
+    /// Per-component scale `s_j`.
+    pub sigma: Vec<f16>,
+    /// Bits per component `b_j`, 0..=8.
+    pub comp_bits: Vec<u8>,
+    /// For each vector, one code per component with `b_j > 0`.
+    pub codes: Vec<u16>,
+    /// `(position i * d_eff + j, value)` of exactly stored scaled coefficients, ascending.
+    pub outliers: Vec<(u32, f16)>,
+}
+
+/// The Gaussian codebook of `bits` in 1..=8.
+fn book(bits: u8) -> &'static Codebook {
+    lloyd_max::gaussian(bits).expect("1..=8 bits")
+}
+
+/// Codes `n` coefficient rows of length `d_eff` (weights `w`, input length `d`).
+pub fn encode(
+    coeffs: &[f32],
+    n: usize,
+    d_eff: usize,
+    d: usize,
+    w: &[f64],
+    p: &CodecParams,
+) -> WaterfillBody {
+    let mut var = vec![0.0f64; d_eff];
+    for (i, row) in coeffs.chunks_exact(d_eff).enumerate() {
+        for (v, &c) in var.iter_mut().zip(row) {
+            *v += w[i] * (c as f64) * (c as f64);
+        }
+    }
+    let sigma: Vec<f16> = var
+        .iter()
+        .map(|&v| f16::from_f64(v.sqrt().min(MAX_MAGNITUDE as f64)))
+        .collect();
+    let sig: Vec<f32> = sigma.iter().map(|s| s.to_f32()).collect();
+    let budget = (p.bits_per_value as f64 * d as f64).round() as usize;
+    let comp_bits = allocate(&sig.iter().map(|s| s * s).collect::<Vec<_>>(), budget);
+    let books: Vec<Option<&Codebook>> = comp_bits
+        .iter()
+        .map(|&b| (b > 0).then(|| book(b)))
+        .collect();
+    let coded = comp_bits.iter().filter(|&&b| b > 0).count();
+    let mut codes = Vec::with_capacity(n * coded);
+    let mut outl = Vec::new();
+    let mut z = vec![0.0f32; d_eff];
+    for i in 0..n {
+        for j in 0..d_eff {
+            // Bounded so that outliers stay finite in f16 (tokens of weight zero do not
+            // shape sigma and may sit far outside it).
+            z[j] = if sig[j] > 0.0 {
+                (coeffs[i * d_eff + j] / sig[j]).clamp(-MAX_MAGNITUDE, MAX_MAGNITUDE)
+            } else {
+                0.0
+            };
+            if let Some(cb) = books[j] {
+                codes.push(cb.quantize(z[j]));
+            }
+        }
+        outliers::collect(&z, p.outlier_threshold, (i * d_eff) as u32, &mut outl);
+    }
+    WaterfillBody {
+        sigma,
+        comp_bits,
+        codes,
+        outliers: outl,
+    }
+}
+
+/// The `n x d_eff` coefficients of a body.
+pub fn decode(b: &WaterfillBody, n: usize, d_eff: usize, p: &CodecParams) -> Vec<f32> {
+    let sig: Vec<f32> = b.sigma.iter().map(|s| s.to_f32()).collect();
+    // Level tables pre-multiplied by sigma (and the inner-product gain).
+    let tables: Vec<Vec<f32>> = b
+        .comp_bits
+        .iter()
+        .zip(&sig)
+        .map(|(&bits, &s)| {
+            if bits == 0 {
+                return Vec::new();
+            }
+            let g = if p.metric == Metric::InnerProduct {
+                ip_gain(bits)
+            } else {
+                1.0
+            };
+            book(bits).levels().iter().map(|&l| l * s * g).collect()
+        })
+        .collect();
+    let mut coeffs = vec![0.0f32; n * d_eff];
+    let mut k = 0;
+    for row in coeffs.chunks_exact_mut(d_eff) {
+        for (c, t) in row.iter_mut().zip(&tables) {
+            if !t.is_empty() {
+                *c = t[b.codes[k] as usize];
+                k += 1;
+            }
+        }
+    }
+    for &(pos, val) in &b.outliers {
+        let j = pos as usize % d_eff;
+        coeffs[pos as usize] = val.to_f32() * sig[j];
+    }
+    coeffs
+}
+
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+    use crate::codec::{decode_layer, encode_layer, encode_layer_with, EncodedLayer};
+    use crate::params::{InputDtype, PcaMethod};
+    use crate::rng::SplitMix64;
+    use crate::stages::rel_err;
+    use crate::test_data::{kv_like, roundtrip, waterfill};
 
     #[test]
     fn high_variance_components_get_more_bits() {
@@ -95,5 +218,128 @@ mod tests {
         let wf = allocate(&v, 128);
         let uniform = vec![2u8; 64];
         assert!(d(&wf) < 0.5 * d(&uniform), "{} vs {}", d(&wf), d(&uniform));
+    }
+
+    #[test]
+    fn waterfill_error_falls_with_budget_and_beats_uniform_at_equal_bytes() {
+        let (n, d) = (1024, 64);
+        let x = kv_like(n, d, 13);
+        let mut last = f64::INFINITY;
+        for bpv in [0.5f32, 1.0, 2.0, 3.0, 4.0] {
+            let (y, enc) = roundtrip(&x, n, d, &waterfill(bpv));
+            let e = rel_err(&x, &y);
+            assert!(e < last, "{bpv} bits: {e}");
+            last = e;
+            let s = &enc.stats()[0];
+            assert_eq!(s.d_eff, d);
+        }
+        // Same budget of code bits per vector (2 * 64): water-filling wins on a decaying spectrum.
+        let uniform = CodecParams {
+            bit_width: 2,
+            k: 0,
+            ..Default::default()
+        };
+        let (yu, eu) = roundtrip(&x, n, d, &uniform);
+        let (yw, ew) = roundtrip(&x, n, d, &waterfill(2.0));
+        assert!(ew.nbytes() <= eu.nbytes());
+        assert!(
+            rel_err(&x, &yw) < 0.8 * rel_err(&x, &yu),
+            "{} vs {}",
+            rel_err(&x, &yw),
+            rel_err(&x, &yu)
+        );
+    }
+
+    #[test]
+    fn waterfill_bytes_are_accounted_exactly() {
+        let (n, d) = (300, 16);
+        let x = kv_like(n, d, 14);
+        let p = CodecParams {
+            outlier_threshold: f32::INFINITY,
+            pca_method: PcaMethod::None,
+            ..waterfill(1.5)
+        };
+        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        // header + block header + mean (16 f16) + sigma (16 f16) + 16 nibbles + codes + crc;
+        // 1.5 bits/value * 16 = 24 bits per vector.
+        let want = crate::format::HEADER_LEN + 20 + 32 + 32 + 8 + (300 * 24usize).div_ceil(8) + 4;
+        assert_eq!(enc.nbytes(), want);
+    }
+
+    #[test]
+    fn inner_product_waterfill_removes_shrinkage() {
+        let (n, d) = (1024, 32);
+        let x = kv_like(n, d, 15);
+        let bias = |metric| {
+            let (y, _) = roundtrip(
+                &x,
+                n,
+                d,
+                &CodecParams {
+                    metric,
+                    ..waterfill(1.0)
+                },
+            );
+            let mean: Vec<f64> = (0..d)
+                .map(|j| (0..n).map(|i| x[i * d + j] as f64).sum::<f64>() / n as f64)
+                .collect();
+            let (mut xy, mut xx) = (0.0, 0.0);
+            for i in 0..n {
+                for j in 0..d {
+                    let (a, b) = (x[i * d + j] as f64 - mean[j], y[i * d + j] as f64 - mean[j]);
+                    xy += a * b;
+                    xx += a * a;
+                }
+            }
+            (xy / xx - 1.0).abs()
+        };
+        assert!(bias(Metric::InnerProduct) < bias(Metric::Mse));
+    }
+
+    #[test]
+    fn corrupt_waterfill_bytes_never_panic() {
+        let (n, d) = (300, 16);
+        let x = kv_like(n, d, 17);
+        let fit = crate::pca::fit_exact(&x, n, d, None, 1.0, d).unwrap();
+        let basis = crate::basis::ExternalBasis::new(fit.basis, d, d).unwrap();
+        let p = CodecParams {
+            block_size: 128,
+            outlier_threshold: 2.5,
+            ..waterfill(1.7)
+        };
+        for ext in [None, Some(&basis)] {
+            let enc = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, ext).unwrap();
+            let good = enc.as_bytes().to_vec();
+            for cut in 0..good.len() {
+                assert!(EncodedLayer::from_bytes(good[..cut].to_vec()).is_err());
+            }
+            let mut g = SplitMix64::new(3, 4);
+            for _ in 0..2000 {
+                let mut b = good.clone();
+                let i = g.below(b.len());
+                b[i] ^= 1 << g.below(8);
+                assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        #[test]
+        fn waterfill_roundtrip_is_bounded(
+            n in 1usize..80, d in 1usize..24, bpv in 0.25f32..6.0, seed in any::<u64>(),
+            none in any::<bool>(),
+        ) {
+            let x = kv_like(n, d, seed);
+            let pca_method = if none { PcaMethod::None } else { PcaMethod::Exact };
+            let p = CodecParams { block_size: 32, seed, pca_method, ..waterfill(bpv) };
+            let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+            let y = decode_layer(&enc).unwrap();
+            let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
+            prop_assert_eq!(decode_layer(&back).unwrap(), y.clone());
+            // Below one bit per value some components get no bits: error <= the signal itself.
+            prop_assert!(rel_err(&x, &y) < 1.0);
+            prop_assert!(y.iter().all(|v| v.is_finite()));
+        }
     }
 }

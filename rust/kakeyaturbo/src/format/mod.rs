@@ -35,18 +35,25 @@
 //! first with zero padding bits. Blocks hold `block_size` vectors except the last.
 //! The reader checks the checksum, every enum value, every reserved bit, every declared
 //! count against its limit and against the bytes actually left before allocating, and
-//! every stored float for finiteness.
+//! every stored float for finiteness. The enum codes (`input_dtype`, `skeleton_dtype`,
+//! `metric`, `pca_method`, `allocation`) are in one table, [`codes`], that both the
+//! writer and the reader use.
 
+pub mod codes;
 mod reader;
 mod writer;
 
 pub use reader::{read_layer, ParsedBlock, ParsedLayer};
 pub use writer::write_layer;
 
+use crate::error::{Error, Result};
+
 /// The four bytes every encoded layer starts with.
 pub const MAGIC: [u8; 4] = *b"KKTB";
-/// The format version this build writes and reads.
+/// The format version this build writes.
 pub const FORMAT_VERSION: u16 = 1;
+/// The format versions this build reads.
+pub const READABLE_VERSIONS: &[u16] = &[FORMAT_VERSION];
 /// Header flag: one basis for the whole layer, stored once before the blocks.
 pub const FLAG_SHARED_BASIS: u16 = 1 << 0;
 /// Header flag: the basis was supplied by the caller; only its fingerprint is stored.
@@ -61,3 +68,25 @@ pub const BLOCK_HEADER_LEN: usize = 20;
 pub const CRC_LEN: usize = 4;
 /// Largest token count in one encoded layer.
 pub const MAX_TOKENS: usize = 1 << 31;
+/// Decoded bytes a blob may declare per stored byte, beyond [`DECODE_FLOOR`]: a bound on
+/// amplification, far above real encodings (0.25 bits per value is 128x).
+pub const DECODE_AMPLIFICATION: usize = 256;
+/// Decoded bytes always allowed, whatever the blob's size.
+pub const DECODE_FLOOR: usize = 64 << 20;
+
+/// The decode limit: `decoded` bytes (f32 output) from `stored` bytes may exceed neither
+/// [`DECODE_FLOOR`] nor `stored * DECODE_AMPLIFICATION`, whichever is larger. `what` names
+/// the thing decoded, for the message.
+pub fn check_decode_size(
+    decoded: usize,
+    stored: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    if decoded > DECODE_FLOOR.max(stored.saturating_mul(DECODE_AMPLIFICATION)) {
+        return Err(Error::Format(format!(
+            "{} would decode to {decoded} bytes from {stored} stored: beyond the decode limit",
+            what()
+        )));
+    }
+    Ok(())
+}

@@ -3,31 +3,30 @@
 
 use half::{bf16, f16};
 
+use super::codes::WireCode;
 use super::{
-    BLOCK_HEADER_LEN, CRC_LEN, FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, FORMAT_VERSION, HEADER_LEN,
-    KNOWN_FLAGS, MAGIC, MAX_TOKENS,
+    check_decode_size, BLOCK_HEADER_LEN, CRC_LEN, FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS,
+    HEADER_LEN, KNOWN_FLAGS, MAGIC, MAX_TOKENS, READABLE_VERSIONS,
 };
 use crate::bitpack::{packed_len, unpack, BitReader};
-use crate::codec::{label_bits, EncodedBlock, SharedBasis};
+use crate::codec::{BlockBody, EncodedBlock};
 use crate::error::{Error, Result};
+use crate::kmeans::{label_bits, SkeletonCodes};
 use crate::params::{
     Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype, MAX_BLOCK_SIZE,
-    MAX_HEAD_DIM,
+    MAX_HEAD_DIM, MAX_MAGNITUDE,
 };
-use crate::waterfill::{coded_widths, MAX_COMPONENT_BITS};
+use crate::pca::SharedBasis;
+use crate::uniform::UniformBody;
+use crate::waterfill::{coded_widths, WaterfillBody, MAX_COMPONENT_BITS};
 use crate::wht::padded_len;
 
 /// Largest |mean| accepted (the encoder's own input limit).
-const MEAN_LIMIT: f32 = 60_000.0;
+const MEAN_LIMIT: f32 = MAX_MAGNITUDE;
 /// Largest |entry| of basis rows and centres: unit vectors, with rounding headroom.
 const UNIT_LIMIT: f32 = 1.01;
 /// Largest |calibrated centroid| (they live in units of the scaled coordinates, ~N(0, 1)).
 const CENTROID_LIMIT: f32 = 1_000.0;
-/// Decoded bytes a blob may declare per stored byte, beyond [`DECODE_FLOOR`]: a bound on
-/// amplification, far above real encodings (0.25 bits per value is 128x).
-const DECODE_AMPLIFICATION: usize = 256;
-/// Decoded bytes always allowed, whatever the blob's size.
-const DECODE_FLOOR: usize = 64 << 20;
 
 /// A block as read from the wire (codes unpacked).
 pub type ParsedBlock = EncodedBlock;
@@ -147,24 +146,6 @@ fn finite(vals: &[f32], what: &str) -> Result<()> {
     Ok(())
 }
 
-fn input_dtype(code: u8) -> Result<InputDtype> {
-    Ok(match code {
-        0 => InputDtype::F32,
-        1 => InputDtype::F16,
-        2 => InputDtype::Bf16,
-        _ => return bad(format!("unknown input dtype code {code}")),
-    })
-}
-
-fn skeleton_dtype(code: u8) -> Result<SkeletonDtype> {
-    Ok(match code {
-        0 => SkeletonDtype::F16,
-        1 => SkeletonDtype::Bf16,
-        2 => SkeletonDtype::F32,
-        _ => return bad(format!("unknown skeleton dtype code {code}")),
-    })
-}
-
 /// Parses and validates a whole layer.
 pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
     if bytes.len() < 8 {
@@ -177,7 +158,7 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         return bad("bad magic: not a kakeyaturbo encoded layer");
     }
     let version = u16::from_le_bytes([bytes[4], bytes[5]]);
-    if version != FORMAT_VERSION {
+    if !READABLE_VERSIONS.contains(&version) {
         return Err(Error::UnsupportedVersion(version));
     }
     if bytes.len() < HEADER_LEN + CRC_LEN {
@@ -200,20 +181,11 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
     let n_tokens = c.u32()?;
     let head_dim = c.u32()?;
     let n_blocks = c.u32()?;
-    let in_dtype = input_dtype(c.u8()?)?;
-    let sk_dtype = skeleton_dtype(c.u8()?)?;
+    let in_dtype = InputDtype::from_code(c.u8()?)?;
+    let sk_dtype = SkeletonDtype::from_code(c.u8()?)?;
     let bit_width = c.u8()?;
-    let metric = match c.u8()? {
-        0 => Metric::Mse,
-        1 => Metric::InnerProduct,
-        m => return bad(format!("unknown metric code {m}")),
-    };
-    let pca_method = match c.u8()? {
-        0 => PcaMethod::Exact,
-        1 => PcaMethod::Randomized,
-        2 => PcaMethod::None,
-        m => return bad(format!("unknown pca method code {m}")),
-    };
+    let metric = Metric::from_code(c.u8()?)?;
+    let pca_method = PcaMethod::from_code(c.u8()?)?;
     let custom = match c.u8()? {
         0 => false,
         1 => true,
@@ -239,11 +211,7 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         seed: c.u64()?,
         share_basis: flags & FLAG_SHARED_BASIS != 0,
         centroids: None,
-        allocation: match c.u8()? {
-            0 => Allocation::Uniform,
-            1 => Allocation::Waterfill,
-            a => return bad(format!("unknown allocation code {a}")),
-        },
+        allocation: Allocation::from_code(c.u8()?)?,
         bits_per_value: {
             if c.take(3)? != [0, 0, 0] {
                 return bad("reserved header bytes are not zero");
@@ -287,13 +255,9 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         ));
     }
     let decoded = n_tokens.saturating_mul(head_dim).saturating_mul(4);
-    if decoded > DECODE_FLOOR.max(bytes.len().saturating_mul(DECODE_AMPLIFICATION)) {
-        return bad(format!(
-            "{n_tokens} x {head_dim} values would decode to {decoded} bytes from {} stored: \
-             beyond the decode limit",
-            bytes.len()
-        ));
-    }
+    check_decode_size(decoded, bytes.len(), || {
+        format!("{n_tokens} x {head_dim} values")
+    })?;
     let max_rank = params.max_rank(head_dim);
     // pca_method 'none' stores no basis rows: the identity, with d_eff = head_dim.
     let identity = params.pca_method == PcaMethod::None;
@@ -375,42 +339,25 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
         } else {
             Vec::new()
         };
-        let mut block = EncodedBlock {
+        let h = BlockHeader {
+            index: bi,
             n,
             d_eff,
+            k_used,
+            n_outliers,
             kmeans_iters: kmeans_iters as u32,
+        };
+        let block_body = match params.allocation {
+            Allocation::Uniform => BlockBody::Uniform(read_uniform_body(&mut c, &h, s, bit_width)?),
+            Allocation::Waterfill => BlockBody::Waterfill(read_waterfill_body(&mut c, &h)?),
+        };
+        blocks.push(EncodedBlock {
+            n,
+            d_eff,
             mean,
             basis,
-            k_used,
-            centres: Vec::new(),
-            labels: Vec::new(),
-            t: Vec::new(),
-            scales: Vec::new(),
-            codes: Vec::new(),
-            outliers: Vec::new(),
-            sigma: Vec::new(),
-            comp_bits: Vec::new(),
-        };
-        let n_coords = match params.allocation {
-            Allocation::Uniform => read_uniform_body(&mut c, &mut block, s, bit_width, bi)?,
-            Allocation::Waterfill => read_waterfill_body(&mut c, &mut block, bi)?,
-        };
-        if n_outliers > n_coords {
-            return bad(format!("block {bi}: more outliers than coordinates"));
-        }
-        let raw = c.array(n_outliers, 6, "outliers")?;
-        let mut last: Option<u32> = None;
-        block.outliers.reserve(n_outliers);
-        for o in raw.chunks_exact(6) {
-            let pos = u32::from_le_bytes(o[..4].try_into().unwrap());
-            let v = f16::from_le_bytes([o[4], o[5]]);
-            if pos as usize >= n_coords || last.is_some_and(|l| pos <= l) || !v.is_finite() {
-                return bad(format!("block {bi}: invalid outlier entry"));
-            }
-            last = Some(pos);
-            block.outliers.push((pos, v));
-        }
-        blocks.push(block);
+            body: block_body,
+        });
     }
     if c.pos != body.len() {
         return bad(format!(
@@ -429,22 +376,31 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
     })
 }
 
-/// Skeleton, scales and fixed-width codes; returns the number of coded coordinates.
+/// The counts of a block's fixed header that its body needs.
+struct BlockHeader {
+    index: usize,
+    n: usize,
+    d_eff: usize,
+    k_used: usize,
+    n_outliers: usize,
+    kmeans_iters: u32,
+}
+
+/// Skeleton, scales, fixed-width codes and outliers.
 fn read_uniform_body(
     c: &mut Cursor<'_>,
-    b: &mut EncodedBlock,
+    h: &BlockHeader,
     s: SkeletonDtype,
     bit_width: u8,
-    bi: usize,
-) -> Result<usize> {
-    let (n, d_eff, k_used) = (b.n, b.d_eff, b.k_used);
-    b.centres = c.skeleton(k_used * d_eff, s, UNIT_LIMIT, "centres")?;
+) -> Result<UniformBody> {
+    let (n, d_eff, k_used) = (h.n, h.d_eff, h.k_used);
+    let centres = c.skeleton(k_used * d_eff, s, UNIT_LIMIT, "centres")?;
     let lb = label_bits(k_used);
-    b.labels = if lb > 0 {
+    let labels = if lb > 0 {
         let raw = c.take(packed_len(n, lb))?;
         let l = unpack(raw, n, lb)?;
         if l.iter().any(|&v| v as usize >= k_used) {
-            return bad(format!("block {bi}: centre label out of range"));
+            return bad(format!("block {}: centre label out of range", h.index));
         }
         l
     } else if k_used == 1 {
@@ -452,43 +408,82 @@ fn read_uniform_body(
     } else {
         Vec::new()
     };
-    if k_used > 0 {
-        b.t = c.f16s(n, "t")?;
-    }
-    b.scales = c.f16s(n, "scales")?;
+    let t = if k_used > 0 {
+        c.f16s(n, "t")?
+    } else {
+        Vec::new()
+    };
+    let scales = c.f16s(n, "scales")?;
     let n_codes = n * padded_len(d_eff);
     let raw = c.take(packed_len(n_codes, bit_width as u32))?;
-    b.codes = unpack(raw, n_codes, bit_width as u32)?;
-    Ok(n_codes)
+    let codes = unpack(raw, n_codes, bit_width as u32)?;
+    Ok(UniformBody {
+        skeleton: SkeletonCodes {
+            centres,
+            k_used,
+            iters: h.kmeans_iters,
+            labels,
+            t,
+        },
+        scales,
+        codes,
+        outliers: read_outliers(c, h, n_codes)?,
+    })
 }
 
-/// Component scales and bits, then variable-width codes; returns `n * d_eff`.
-fn read_waterfill_body(c: &mut Cursor<'_>, b: &mut EncodedBlock, bi: usize) -> Result<usize> {
-    let (n, d_eff) = (b.n, b.d_eff);
-    if b.k_used != 0 {
+/// Component scales and bits, variable-width codes and outliers.
+fn read_waterfill_body(c: &mut Cursor<'_>, h: &BlockHeader) -> Result<WaterfillBody> {
+    let (n, d_eff, bi) = (h.n, h.d_eff, h.index);
+    if h.k_used != 0 || h.kmeans_iters != 0 {
         return bad(format!("block {bi}: water-filled blocks have no skeleton"));
     }
-    b.sigma = c.f16s(d_eff, "sigma")?;
-    if b.sigma.iter().any(|v| v.to_f32() < 0.0) {
+    let sigma = c.f16s(d_eff, "sigma")?;
+    if sigma.iter().any(|v| v.to_f32() < 0.0) {
         return bad(format!("block {bi}: negative component scale"));
     }
     let raw = c.take(packed_len(d_eff, 4))?;
-    b.comp_bits = unpack(raw, d_eff, 4)?.iter().map(|&v| v as u8).collect();
-    if b.comp_bits.iter().any(|&v| v > MAX_COMPONENT_BITS) {
+    let comp_bits: Vec<u8> = unpack(raw, d_eff, 4)?.iter().map(|&v| v as u8).collect();
+    if comp_bits.iter().any(|&v| v > MAX_COMPONENT_BITS) {
         return bad(format!(
             "block {bi}: component bit count above {MAX_COMPONENT_BITS}"
         ));
     }
-    let coded = coded_widths(&b.comp_bits);
+    let coded = coded_widths(&comp_bits);
     let per_vector: usize = coded.iter().map(|&v| v as usize).sum();
     let raw = c.take((n * per_vector).div_ceil(8))?;
     let mut r = BitReader::new(raw);
-    b.codes = Vec::with_capacity(n * coded.len());
+    let mut codes = Vec::with_capacity(n * coded.len());
     for _ in 0..n {
         for &bits in &coded {
-            b.codes.push(r.get(bits)?);
+            codes.push(r.get(bits)?);
         }
     }
     r.finish()?;
-    Ok(n * d_eff)
+    Ok(WaterfillBody {
+        sigma,
+        comp_bits,
+        codes,
+        outliers: read_outliers(c, h, n * d_eff)?,
+    })
+}
+
+/// The block's `(position u32, value f16)` outlier entries: positions strictly ascending
+/// and below `n_coords`, values finite.
+fn read_outliers(c: &mut Cursor<'_>, h: &BlockHeader, n_coords: usize) -> Result<Vec<(u32, f16)>> {
+    let (n_outliers, bi) = (h.n_outliers, h.index);
+    if n_outliers > n_coords {
+        return bad(format!("block {bi}: more outliers than coordinates"));
+    }
+    let raw = c.array(n_outliers, 6, "outliers")?;
+    let mut out: Vec<(u32, f16)> = Vec::with_capacity(n_outliers);
+    for o in raw.chunks_exact(6) {
+        let pos = u32::from_le_bytes(o[..4].try_into().unwrap());
+        let v = f16::from_le_bytes([o[4], o[5]]);
+        let ascending = out.last().is_none_or(|&(last, _)| pos > last);
+        if pos as usize >= n_coords || !ascending || !v.is_finite() {
+            return bad(format!("block {bi}: invalid outlier entry"));
+        }
+        out.push((pos, v));
+    }
+    Ok(out)
 }

@@ -2,28 +2,16 @@
 
 use half::{bf16, f16};
 
+use super::codes::WireCode;
 use super::{FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, FORMAT_VERSION, MAGIC};
 use crate::bitpack::{pack_into, BitWriter};
-use crate::codec::{label_bits, EncodedBlock, SharedBasis};
-use crate::params::{Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};
-use crate::waterfill::coded_widths;
+use crate::codec::{BlockBody, EncodedBlock};
+use crate::kmeans::label_bits;
+use crate::params::{CodecParams, InputDtype, SkeletonDtype};
+use crate::pca::SharedBasis;
+use crate::uniform::UniformBody;
+use crate::waterfill::{coded_widths, WaterfillBody};
 use crate::wht::padded_len;
-
-pub(crate) fn dtype_code(d: InputDtype) -> u8 {
-    match d {
-        InputDtype::F32 => 0,
-        InputDtype::F16 => 1,
-        InputDtype::Bf16 => 2,
-    }
-}
-
-pub(crate) fn skeleton_code(d: SkeletonDtype) -> u8 {
-    match d {
-        SkeletonDtype::F16 => 0,
-        SkeletonDtype::Bf16 => 1,
-        SkeletonDtype::F32 => 2,
-    }
-}
 
 fn put_u32(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u32).to_le_bytes());
@@ -78,18 +66,11 @@ pub fn write_layer(
     put_u32(&mut out, n_tokens);
     put_u32(&mut out, head_dim);
     put_u32(&mut out, blocks.len());
-    out.push(dtype_code(input_dtype));
-    out.push(skeleton_code(p.skeleton_dtype));
+    out.push(input_dtype.code());
+    out.push(p.skeleton_dtype.code());
     out.push(p.bit_width);
-    out.push(match p.metric {
-        Metric::Mse => 0,
-        Metric::InnerProduct => 1,
-    });
-    out.push(match p.pca_method {
-        PcaMethod::Exact => 0,
-        PcaMethod::Randomized => 1,
-        PcaMethod::None => 2,
-    });
+    out.push(p.metric.code());
+    out.push(p.pca_method.code());
     out.push(p.centroids.is_some() as u8);
     out.extend_from_slice(&0u16.to_le_bytes());
     put_u32(&mut out, p.block_size);
@@ -102,10 +83,7 @@ pub fn write_layer(
     put_u32(&mut out, p.power_iters);
     out.extend_from_slice(&p.outlier_threshold.to_le_bytes());
     out.extend_from_slice(&p.seed.to_le_bytes());
-    out.push(match p.allocation {
-        Allocation::Uniform => 0,
-        Allocation::Waterfill => 1,
-    });
+    out.push(p.allocation.code());
     out.extend_from_slice(&[0u8; 3]);
     out.extend_from_slice(&p.bits_per_value.to_le_bytes());
     debug_assert_eq!(out.len(), super::HEADER_LEN);
@@ -126,40 +104,49 @@ pub fn write_layer(
     for b in blocks {
         put_u32(&mut out, b.n);
         put_u32(&mut out, b.d_eff);
-        put_u32(&mut out, b.k_used);
-        put_u32(&mut out, b.outliers.len());
-        put_u32(&mut out, b.kmeans_iters as usize);
+        put_u32(&mut out, b.body.k_used());
+        put_u32(&mut out, b.body.outliers().len());
+        put_u32(&mut out, b.body.kmeans_iters() as usize);
         if shared.is_none() {
             put_skeleton(&mut out, &b.mean, p.skeleton_dtype);
             put_skeleton(&mut out, &b.basis, p.skeleton_dtype); // empty when external
         }
-        if p.allocation == Allocation::Waterfill {
-            put_f16s(&mut out, &b.sigma);
-            let nibbles: Vec<u16> = b.comp_bits.iter().map(|&v| v as u16).collect();
-            pack_into(&nibbles, 4, &mut out);
-            let coded = coded_widths(&b.comp_bits);
-            let mut bw = BitWriter::new();
-            for (code, bits) in b.codes.iter().zip(coded.iter().cycle()) {
-                bw.put(*code, *bits);
-            }
-            out.extend_from_slice(&bw.finish());
-            put_outliers(&mut out, &b.outliers);
-            continue;
+        match &b.body {
+            BlockBody::Uniform(u) => put_uniform(&mut out, u, b, p),
+            BlockBody::Waterfill(w) => put_waterfill(&mut out, w),
         }
-        put_skeleton(&mut out, &b.centres, p.skeleton_dtype);
-        let lb = label_bits(b.k_used);
-        if lb > 0 {
-            pack_into(&b.labels, lb, &mut out);
-        }
-        if b.k_used > 0 {
-            put_f16s(&mut out, &b.t);
-        }
-        put_f16s(&mut out, &b.scales);
-        debug_assert_eq!(b.codes.len(), b.n * padded_len(b.d_eff));
-        pack_into(&b.codes, p.bit_width as u32, &mut out);
-        put_outliers(&mut out, &b.outliers);
+        put_outliers(&mut out, b.body.outliers());
     }
     let crc = crc32fast::hash(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
+}
+
+/// Skeleton, scales and fixed-width codes (the outliers follow).
+fn put_uniform(out: &mut Vec<u8>, u: &UniformBody, b: &EncodedBlock, p: &CodecParams) {
+    let sk = &u.skeleton;
+    put_skeleton(out, &sk.centres, p.skeleton_dtype);
+    let lb = label_bits(sk.k_used);
+    if lb > 0 {
+        pack_into(&sk.labels, lb, out);
+    }
+    if sk.k_used > 0 {
+        put_f16s(out, &sk.t);
+    }
+    put_f16s(out, &u.scales);
+    debug_assert_eq!(u.codes.len(), b.n * padded_len(b.d_eff));
+    pack_into(&u.codes, p.bit_width as u32, out);
+}
+
+/// Component scales and bits, then variable-width codes (the outliers follow).
+fn put_waterfill(out: &mut Vec<u8>, w: &WaterfillBody) {
+    put_f16s(out, &w.sigma);
+    let nibbles: Vec<u16> = w.comp_bits.iter().map(|&v| v as u16).collect();
+    pack_into(&nibbles, 4, out);
+    let coded = coded_widths(&w.comp_bits);
+    let mut bw = BitWriter::new();
+    for (code, bits) in w.codes.iter().zip(coded.iter().cycle()) {
+        bw.put(*code, *bits);
+    }
+    out.extend_from_slice(&bw.finish());
 }

@@ -1,0 +1,44 @@
+//! Inputs and helpers shared by the unit tests of several stages.
+
+use crate::codec::{decode_layer, encode_layer, EncodedLayer};
+use crate::params::{Allocation, CodecParams, InputDtype};
+use crate::rng::SplitMix64;
+
+/// KV-like data: a mean offset, a decaying spectrum and one outlier channel.
+pub(crate) fn kv_like(n: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed, 77);
+    let mut x = vec![0.0f32; n * d];
+    for i in 0..n {
+        let shared = g.normal();
+        for j in 0..d {
+            let scale = 2.0 / (1.0 + j as f64 * 0.2);
+            let mut v = 0.3 + scale * g.normal() + 0.5 * shared;
+            if j == 3 {
+                v += 8.0;
+            }
+            x[i * d + j] = v as f32;
+        }
+    }
+    x
+}
+
+/// Encodes `x` (`n x d`, f32) and decodes it again.
+pub(crate) fn roundtrip(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    p: &CodecParams,
+) -> (Vec<f32>, EncodedLayer) {
+    let enc = encode_layer(x, n, d, None, p, InputDtype::F32).unwrap();
+    (decode_layer(&enc).unwrap(), enc)
+}
+
+/// Default parameters with water-filling at `bpv` bits per value.
+pub(crate) fn waterfill(bpv: f32) -> CodecParams {
+    CodecParams {
+        allocation: Allocation::Waterfill,
+        bits_per_value: bpv,
+        k: 0,
+        ..Default::default()
+    }
+}
