@@ -1,93 +1,142 @@
-"""The default recipe: what ``KakeyaCache.from_model(model)`` and the evaluation's bare
-``kakeya`` method use, and why (measured; see ``reports/README.md``).
+"""The recipe: every choice of how K/V are coded, in one place. ``KakeyaCache``, the
+evaluation's ``kakeya`` method and the vLLM hooks take a :class:`Recipe` and hand it to
+:class:`~kakeyaturbo.pipeline.Pipeline`; nothing else picks codec parameters.
 
-1. **Keys are coded pre-RoPE.** RoPE spins every key pair by a position-dependent angle,
-   which spreads a low-rank key distribution over all directions; undoing it before coding
-   (and redoing it after decoding) keeps the keys compact. On kt-ref-a this alone moved
-   top-1 agreement from 94% to 97% at 1.5 bits per key value.
-2. **Transform coding with reverse water-filling** (``allocation="waterfill"``) in a PCA
-   frame instead of a uniform bit width after a random rotation: the bits go to the
-   directions that hold the variance, and directions below the water level get none.
-3. **The frame comes from calibration when there is one**, from the data otherwise:
-   with a bundle (``kakeyaturbo calibrate``) keys are coded in the query-aware whitened PCA
-   frame and values in their PCA frame, both fitted once per model, so nothing per
-   sequence is spent on bases (``pca_method="none"`` in that frame). Without one, a PCA
-   basis per layer and head is fitted on the data and stored once (``share_basis``).
-4. **Attention sinks** (the first 4 tokens) stay full precision: they are few and large.
-5. **No k-means skeleton, MSE metric**: on this model the skeleton did not pay for its
-   side information, and the inner-product scale measured slightly worse than MSE.
+Why the default is what it is (measured on SmolLM2-135M, see ``docs/recipe.md``):
+
+1. **Keys are coded pre-RoPE.** RoPE spins each key pair by a position-dependent angle and
+   spreads a low-rank key distribution over all directions; undoing it keeps keys compact.
+2. **Transform coding with reverse water-filling** in a PCA frame: bits go to the components
+   that hold the variance, none below the water level.
+3. **The frame comes from calibration when there is one** (keys in the query-aware whitened
+   frame, so squared error is expected squared logit error; values in their PCA frame; nothing
+   stored per sequence), else a PCA frame per layer and head is fitted on the first tokens
+   coded and held once as float16.
+4. **Values are coded as unit vectors with their norm beside** (``v_token_norms``): the codec's
+   error is then relative per token. Real models put much attention on a few small-norm value
+   tokens (attention sinks beyond the first ones); an error absolute per block ruins them.
+   Keys are not: a logit error is absolute, and large keys are the ones attention reads.
+5. **Per-layer bits** come from the calibration bundle's sensitivity scan when it has one
+   (mean zero: the average rate is unchanged).
+6. **Attention sinks** (the first ``sink_tokens`` tokens) stay exact.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._core import CodecParams
-from .codec import KVCodecParams
 
-#: Bits per stored value of the calibrated recipe (keys, values).
-CALIBRATED_BITS = (2.5, 2.0)
-#: Bits per stored value of the self-calibrated recipe (keys, values).
-SELF_CALIBRATED_BITS = (2.0, 1.5)
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_SINK_TOKENS",
+    "Recipe",
+    "default_recipe",
+]
+
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_BLOCK_SIZE = 512
+#: Bits per value (keys, values) without and with a calibration bundle.
+SELF_CALIBRATED_BITS = (3.0, 3.0)
+CALIBRATED_BITS = (3.0, 3.0)
+#: Per-layer offsets are clipped to keep every layer within [MIN_BITS, MAX_BITS].
+MIN_BITS, MAX_BITS = 0.25, 8.0
+
+
+def waterfill_params(bits: float, block_size: int = DEFAULT_BLOCK_SIZE) -> CodecParams:
+    """Frame-free water-filling (the pipeline supplies the frame)."""
+    return CodecParams(
+        allocation="waterfill", k=0, bits_per_value=bits, block_size=block_size, pca_method="none"
+    )
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """Codec parameters plus how the cache / evaluation must use them."""
+    """Codec parameters per stream plus how the pipeline uses them.
 
-    k: CodecParams
-    v: CodecParams
+    ``k_layer_bits`` / ``v_layer_bits``: per-layer offsets added to ``bits_per_value`` (empty:
+    none). ``whiten``: with a calibration, code keys in the query-aware frame (False: plain
+    key PCA, an ablation)."""
+
+    k: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[0]))
+    v: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[1]))
+    k_token_norms: bool = False
+    v_token_norms: bool = True
     pre_rope: bool = True
     sink_tokens: int = DEFAULT_SINK_TOKENS
-    calibrated: bool = False  # True: k/v expect the calibrated coding frames
+    whiten: bool = True
+    k_layer_bits: tuple[float, ...] = ()
+    v_layer_bits: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("k", "v"):
+            p = getattr(self, name)
+            if not isinstance(p, CodecParams):
+                raise TypeError(f"{name}: expected CodecParams, got {type(p).__name__}")
+        if int(self.k.block_size) != int(self.v.block_size):
+            raise ValueError(
+                f"k.block_size ({self.k.block_size}) and v.block_size ({self.v.block_size}) "
+                "must be equal: keys and values are coded in the same token blocks"
+            )
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or (
+            self.sink_tokens < 0
+        ):
+            raise ValueError(f"sink_tokens must be a non-negative int, got {self.sink_tokens!r}")
+        object.__setattr__(self, "k_layer_bits", tuple(float(b) for b in self.k_layer_bits))
+        object.__setattr__(self, "v_layer_bits", tuple(float(b) for b in self.v_layer_bits))
 
     @property
-    def kv(self) -> KVCodecParams:
-        return KVCodecParams(k=self.k, v=self.v)
+    def block_size(self) -> int:
+        return int(self.k.block_size)
+
+    def token_norms(self, stream: str) -> bool:
+        return self.k_token_norms if stream == "k" else self.v_token_norms
+
+    def params(self, layer: int, stream: str) -> CodecParams:
+        """The codec parameters of ``layer``'s ``stream`` (per-layer bits applied)."""
+        return _layer_params(self, layer, stream)
+
+    def replace(self, **changes: Any) -> Recipe:
+        return replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "k": self.k.to_dict(),
+            "v": self.v.to_dict(),
+            "k_token_norms": self.k_token_norms,
+            "v_token_norms": self.v_token_norms,
+            "pre_rope": self.pre_rope,
+            "sink_tokens": self.sink_tokens,
+            "whiten": self.whiten,
+            "k_layer_bits": list(self.k_layer_bits),
+            "v_layer_bits": list(self.v_layer_bits),
+        }
 
 
-def _waterfill(bits: float, block_size: int, **kw: Any) -> CodecParams:
-    return CodecParams(
-        allocation="waterfill", k=0, bits_per_value=bits, block_size=block_size, **kw
-    )
+def _layer_params(recipe: Recipe, layer: int, stream: str) -> CodecParams:
+    base = recipe.k if stream == "k" else recipe.v
+    offsets = recipe.k_layer_bits if stream == "k" else recipe.v_layer_bits
+    if not offsets or base.allocation == "uniform":
+        return base
+    if not 0 <= layer < len(offsets):
+        raise ValueError(f"layer {layer}: the recipe's {stream}_layer_bits cover {len(offsets)}")
+    bits = min(max(float(base.bits_per_value) + offsets[layer], MIN_BITS), MAX_BITS)
+    return base.replace(bits_per_value=bits)
 
 
-def calibrated_recipe(
-    k_bits: float = CALIBRATED_BITS[0],
-    v_bits: float = CALIBRATED_BITS[1],
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Recipe:
-    """For data already in a calibration bundle's frames: no basis is stored."""
+def default_recipe(calibration: Any = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Recipe:
+    """The default recipe. ``calibration``: None (frames fitted on the data), a
+    :class:`~kakeyaturbo.calibration.Calibration` (its frames, and its per-layer bits when it has
+    a sensitivity scan), or True (a bundle's frames, before the bundle is loaded)."""
+    if calibration is None or calibration is False:
+        kb, vb = SELF_CALIBRATED_BITS
+        return Recipe(k=waterfill_params(kb, block_size), v=waterfill_params(vb, block_size))
+    kb, vb = CALIBRATED_BITS
+    offsets = getattr(calibration, "layer_bit_offsets", None)
     return Recipe(
-        k=_waterfill(k_bits, block_size, pca_method="none"),
-        v=_waterfill(v_bits, block_size, pca_method="none"),
-        calibrated=True,
+        k=waterfill_params(kb, block_size),
+        v=waterfill_params(vb, block_size),
+        k_layer_bits=tuple((offsets and offsets("k")) or ()),
+        v_layer_bits=tuple((offsets and offsets("v")) or ()),
     )
-
-
-def self_calibrated_recipe(
-    k_bits: float = SELF_CALIBRATED_BITS[0],
-    v_bits: float = SELF_CALIBRATED_BITS[1],
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Recipe:
-    """No bundle: one PCA basis per encoded layer and head, fitted on the data, stored once.
-    Components holding the last 1% of the variance are not stored (at these rates water-
-    filling gives them almost no bits, and their basis rows would cost more than they save)."""
-    return Recipe(
-        k=_waterfill(k_bits, block_size, share_basis=True, variance_ratio=0.99),
-        v=_waterfill(v_bits, block_size, share_basis=True, variance_ratio=0.99),
-    )
-
-
-def default_recipe(calibrated: bool = False) -> Recipe:
-    """The recipe for data with (``calibrated=True``) or without a calibration bundle."""
-    return calibrated_recipe() if calibrated else self_calibrated_recipe()
-
-
-def default_kv_params() -> tuple[KVCodecParams, dict[str, Any]]:
-    """(codec parameters, harness options) of the uncalibrated default, for the evaluation."""
-    r = default_recipe()
-    return r.kv, {"sink": r.sink_tokens, "pre_rope": r.pre_rope}

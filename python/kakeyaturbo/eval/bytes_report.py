@@ -27,8 +27,9 @@ import torch
 from transformers import DynamicCache
 
 from kakeyaturbo.eval.baselines import HFQuantizedCache
-from kakeyaturbo.eval.harness import Rope, compress_stream
+from kakeyaturbo.eval.harness import compress_stream
 from kakeyaturbo.eval.methods import Method, build_method
+from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import KVGeometry, kv_geometry
 
 __all__ = ["capture_kv", "measure", "project", "bytes_result"]
@@ -63,7 +64,7 @@ def _layer_type(method: Method, geom: KVGeometry, layer: int) -> str:
 
 @torch.inference_mode()
 def measure(
-    method: Method, kv, geom: KVGeometry, config, tokens: int, rope: Rope | None = None
+    method: Method, kv, geom: KVGeometry, config, tokens: int, rope: ModelRope | None = None
 ) -> list[dict[str, Any]]:
     """Stored bytes of each layer and stream for a prefix of `tokens` tokens."""
     out = []
@@ -111,7 +112,7 @@ def project(
     config,
     fit_max: int,
     targets: list[int],
-    rope: Rope | None = None,
+    rope: ModelRope | None = None,
 ) -> dict[str, Any]:
     """Per-layer, per-stream unit costs from lengths <= fit_max, and projected totals."""
     captured = min(k.shape[2] for k, _ in kv)
@@ -123,9 +124,8 @@ def project(
         return cache[t]
 
     # Units are counted from the start of the compressed span (after the sinks, before the window).
-    offset = (
-        0 if isinstance(method, HFQuantizedCache) else method.options.sink + method.options.window
-    )
+    opts = method.options
+    offset = 0 if isinstance(method, HFQuantizedCache) else opts.sink_tokens + opts.residual_length
     costs = []
     for stream in ("k", "v"):
         u = _unit(method, stream)
@@ -221,7 +221,7 @@ def bytes_result(
             if getattr(method, "reason", None):
                 methods.append({**method.describe(), "skipped": method.reason})
                 continue
-            rope = Rope(model) if method.options.pre_rope else None
+            rope = ModelRope(model.config) if method.options.pre_rope else None
             measured = {t: measure(method, kv, geom, model.config, t, rope) for t in contexts}
             proj = project(method, kv, geom, model.config, fit_max, targets, rope)
             checks = []

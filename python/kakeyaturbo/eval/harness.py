@@ -31,12 +31,12 @@ from transformers import DynamicCache
 from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
+from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import Passage
 
 __all__ = [
     "CompressingCache",
     "Reference",
-    "Rope",
     "compress_stream",
     "evaluate_method",
     "prepare_reference",
@@ -50,45 +50,12 @@ def _add(a: ByteCount, b: ByteCount) -> None:
         a[k] = a.get(k, 0) + int(v)
 
 
-class Rope:
-    """The model's rotary embedding, to undo it on keys before coding and redo it after.
-
-    Uses the model's own `rotary_emb` module (so any RoPE scaling it has), with the half-split
-    pairing of Llama-style models. The token at index i of a prefix sits at position i.
-    """
-
-    def __init__(self, model):
-        self.rotary = next(
-            (m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None
-        )
-        if self.rotary is None:
-            raise ValueError("pre_rope=true needs a model with a rotary embedding module")
-
-    def _cos_sin(self, x: torch.Tensor, start: int):
-        pos = torch.arange(start, start + x.shape[2], device=x.device).unsqueeze(0)
-        cos, sin = self.rotary(x, pos)
-        return cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-
-    @staticmethod
-    def _half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
-    def unrotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        cos, sin = self._cos_sin(x, start)
-        return x * cos - self._half(x) * sin
-
-    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        cos, sin = self._cos_sin(x, start)
-        return x * cos + self._half(x) * sin
-
-
 def compress_stream(
-    method: Method, x: torch.Tensor, layer: int, stream: str, rope: Rope | None = None
+    method: Method, x: torch.Tensor, layer: int, stream: str, rope: ModelRope | None = None
 ) -> tuple[torch.Tensor, list[ByteCount]]:
     """Apply `method` to one layer's K or V ([B, H, T, D], token i at position i) with its
-    shared options (sinks, window, skipped layers, stream choice, pre-RoPE keys); returns the
-    reconstruction and per-row bytes."""
+    shared options (sinks, recent window, skipped layers, stream choice, pre-RoPE keys);
+    returns the reconstruction and per-row bytes."""
     opts = method.options
     b, h, t, d = x.shape
     keep = bf16_round if opts.passthrough == "bf16" else (lambda y: y)
@@ -98,25 +65,32 @@ def compress_stream(
 
     if not opts.compresses(layer, stream):
         return keep(x), [{"full_precision": full(t)} for _ in range(b)]
-    s = min(opts.sink, t)
-    w = min(opts.window, t - s)
+    s = min(opts.sink_tokens, t)
+    w = min(opts.residual_length, t - s)
     rows: list[ByteCount] = [{} for _ in range(b)]
     parts = []
-    if s:
+    # Methods that hold sinks inside their stream (the codec's pipeline) get the prefix from
+    # token 0 and return the sinks as given; the others never see them.
+    in_place = getattr(method, "codes_sinks_in_place", False) and t - s - w > 0
+    lo = 0 if in_place else s
+    if s and lo:
         parts.append(keep(x[:, :, :s]))
     if t - s - w > 0:
-        mid = x[:, :, s : t - w].contiguous()
+        mid = x[:, :, lo : t - w].contiguous()
         unrope = opts.pre_rope and stream == "k"
         if unrope:
             if rope is None:
                 raise ValueError(f"{method.spec}: pre_rope=true but no rotary embedding given")
-            mid = rope.unrotate(mid, s).contiguous()
+            mid = rope.unrotate(mid, layer, lo).contiguous()
         mid_hat, mid_rows = method.compress(mid, layer, stream)
-        if mid_hat.shape != (b, h, t - s - w, d):
+        if mid_hat.shape != (b, h, t - lo - w, d):
             raise RuntimeError(f"{method.spec}: reconstruction has shape {tuple(mid_hat.shape)}")
         if unrope:
-            mid_hat = rope.rotate(mid_hat.to(x.dtype), s)
-        parts.append(mid_hat.to(x.dtype))
+            mid_hat = rope.rotate(mid_hat.float(), layer, lo)
+        mid_hat = mid_hat.to(x.dtype)
+        if s and not lo:
+            mid_hat[:, :, :s] = keep(x[:, :, :s])
+        parts.append(mid_hat)
         for r, m in zip(rows, mid_rows):
             _add(r, m)
     if w:
@@ -131,7 +105,7 @@ def compress_stream(
 class CompressingCache(DynamicCache):
     """A `DynamicCache` that compresses K/V inside the forward pass while `active` is set."""
 
-    def __init__(self, method: Method, config, rope: Rope | None = None):
+    def __init__(self, method: Method, config, rope: ModelRope | None = None):
         super().__init__(config=config)
         self.method = method
         self.rope = rope
@@ -220,8 +194,8 @@ def _bf16_bytes(cache) -> int:
     return sum(2 * (layer.keys[0].numel() + layer.values[0].numel()) for layer in cache.layers)
 
 
-def _rope(model, method: Method) -> Rope | None:
-    return Rope(model) if method.options.pre_rope else None
+def _rope(model, method: Method) -> ModelRope | None:
+    return ModelRope(model.config) if method.options.pre_rope else None
 
 
 def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:

@@ -1,14 +1,17 @@
-"""The `kakeya` method: the project's own codec in the evaluation harness.
+"""The `kakeya` method: the project's codec in the evaluation harness, through the same
+:class:`~kakeyaturbo.pipeline.Pipeline` that ``KakeyaCache`` stores with.
 
-`kakeya` alone is the project's default recipe (`kakeyaturbo.recipes.default_kv_params()`);
-every key of the spec overrides a `CodecParams` field of both streams (`bit_width=2`), a
-`k_`/`v_` key overrides one stream (`v_bit_width=4`), and the shared harness keys (`sink`,
-`window`, `skip_layers`, ...) override the recipe's method options. `calibration=DIR` codes
-keys in the bundle's query-aware pre-RoPE frame and values in their PCA frame with the
-calibrated recipe (`kakeyaturbo.recipes.calibrated_recipe`), and `whiten=false` swaps the
-key frame for plain key PCA (an ablation). Bytes are the exact size of
-each serialized `EncodedLayer` (`nbytes`, header included), one per passage, layer, stream and
-KV head.
+`kakeya` alone is the default recipe (:func:`kakeyaturbo.recipes.default_recipe`); every key of
+the spec overrides a `CodecParams` field of both streams (`bits_per_value=2`), a `k_`/`v_` key
+overrides one stream (`v_bits_per_value=4`), `k_token_norms` / `v_token_norms` override the
+recipe's per-token norms, and the shared harness keys (`sink_tokens`, `residual_length`,
+`skip_layers`, ...) override the recipe's method options. `calibration=DIR` codes in the bundle's
+frames with the calibrated default (its per-layer bits too, unless `layer_bits=false`), and
+`whiten=false` swaps the key frame for plain key PCA (an ablation).
+
+Each passage is an independent sequence: it gets its own self-fitted frames (counted as
+`frames` bytes), exactly as a fresh ``KakeyaCache`` would fit them on that prefix. Bytes are
+the exact serialized size of every stream plus the float16 token norms.
 """
 
 from __future__ import annotations
@@ -17,52 +20,13 @@ from typing import Any
 
 import torch
 
-from kakeyaturbo.eval.methods import COMMON_KEYS, Method, MethodOptions, register, stream_params
+from kakeyaturbo.eval.methods import Method, MethodOptions, register, stream_params
+from kakeyaturbo.pipeline import CodedBlock, Pipeline
+from kakeyaturbo.recipes import Recipe, default_recipe
 
-__all__ = ["Kakeya", "default_recipe"]
+__all__ = ["Kakeya"]
 
-# Used only while `kakeyaturbo.recipes` does not exist yet; the report says which one ran.
-FALLBACK_RECIPE: dict[str, Any] = {"bit_width": 3}
-
-
-def _codec():
-    try:
-        import kakeyaturbo as kt
-
-        kt.encode_batch  # noqa: B018 - the compiled core may be missing in a source checkout
-    except (ImportError, AttributeError) as exc:
-        raise RuntimeError(
-            f"the kakeyaturbo codec is not importable ({exc}); build it with maturin"
-        ) from exc
-    return kt
-
-
-def default_recipe():
-    """(KVCodecParams, method options dict, source label)."""
-    kt = _codec()
-    try:
-        from kakeyaturbo.recipes import default_kv_params
-    except ImportError:
-        p = kt.CodecParams(**FALLBACK_RECIPE)
-        return (
-            kt.KVCodecParams(k=p, v=p),
-            {},
-            "fallback:" + ",".join(f"{k}={v}" for k, v in FALLBACK_RECIPE.items()),
-        )
-    rec = default_kv_params()
-    kv, opts = rec if isinstance(rec, tuple) else (rec, {})
-    opts = dict(opts or {})
-    source = "kakeyaturbo.recipes.default_kv_params"
-    if "pre_rope" not in opts:
-        # the recipe codes keys pre-RoPE; default_kv_params does not say so, default_recipe does
-        try:
-            from kakeyaturbo.recipes import default_recipe as _recipe
-
-            opts["pre_rope"] = bool(getattr(_recipe(), "pre_rope", False))
-            source += " + default_recipe().pre_rope"
-        except ImportError:
-            pass
-    return kv, opts, source
+_RECIPE_KEYS = ("k_token_norms", "v_token_norms", "whiten")
 
 
 @register(
@@ -70,93 +34,68 @@ def default_recipe():
 )
 class Kakeya(Method):
     name = "kakeya"
+    codes_sinks_in_place = True
 
     def __init__(self, params: dict[str, Any]):
         super().__init__(params)
-        self.kt = _codec()
         params = dict(params)
         calib_dir = params.pop("calibration", None)
-        whiten = params.pop("whiten", True)
-        use_layer_bits = bool(params.pop("layer_bits", False))
-        self.layer_offsets: dict[str, list[float]] | None = None
-        self.transforms = None
+        layer_bits = bool(params.pop("layer_bits", True))
+        recipe_changes = {k: bool(params.pop(k)) for k in _RECIPE_KEYS if k in params}
+        self.calibration = None
         if calib_dir is not None:
-            from kakeyaturbo.calibration import Calibration, KVTransforms
-            from kakeyaturbo.recipes import calibrated_recipe
+            from kakeyaturbo.calibration import Calibration
 
             self.calibration = Calibration.load(str(calib_dir))
-            self.transforms = KVTransforms(self.calibration, whiten=bool(whiten))
-            rec = calibrated_recipe()
-            kv = rec.kv
-            # The bundle's frames are pre-RoPE: keys must be un-rotated before coding.
-            opts = {"sink": rec.sink_tokens, "pre_rope": True}
-            self.recipe = f"kakeyaturbo.recipes.calibrated_recipe + {calib_dir}"
-            if use_layer_bits:
-                offsets = {s: self.calibration.layer_bit_offsets(s) for s in ("k", "v")}
-                if offsets["k"] is None or offsets["v"] is None:
-                    raise ValueError(f"layer_bits=true: {calib_dir} has no sensitivity scan")
-                self.layer_offsets = offsets  # type: ignore[assignment]
-                self.recipe += " (layer_bits)"
-            if not whiten:
-                self.recipe += " (whiten=false)"
-        else:
-            kv, opts, self.recipe = default_recipe()
-        unknown = set(opts) - set(COMMON_KEYS)
-        if unknown:
-            raise ValueError(
-                f"kakeya: recipe options {sorted(unknown)} are not harness options {COMMON_KEYS}"
-            )
-        self.default_options = MethodOptions.from_params(opts)
-        self.codec = {}
+        recipe: Recipe = default_recipe(self.calibration)
+        if not layer_bits:
+            recipe_changes.update(k_layer_bits=(), v_layer_bits=())
         for s in ("k", "v"):
-            base = kv.k if s == "k" else kv.v
             over = stream_params(params, s)
-            self.codec[s] = base.replace(**over) if over else base
+            if over:
+                recipe_changes[s] = getattr(recipe, s).replace(**over)
+        self.recipe = recipe.replace(**recipe_changes) if recipe_changes else recipe
+        self.label = "kakeyaturbo.recipes.default_recipe" + (
+            f" + {calib_dir}" if calib_dir is not None else ""
+        )
+        self.default_options = MethodOptions(
+            sink_tokens=self.recipe.sink_tokens, pre_rope=self.recipe.pre_rope
+        )
+        # The harness hands keys already un-rotated (pre_rope option), so the pipeline gets no
+        # positions.
+        self.pipeline = Pipeline(self.recipe, self.calibration)
+        #: Set to a dict to keep every row's blocks: {(layer, stream): [blocks of row 0, ...]}.
+        self.recorded: dict[tuple[int, str], list[list[CodedBlock]]] | None = None
 
     @property
     def bits(self):
-        def one(p):
-            return (
-                p.bits_per_value
-                if getattr(p, "allocation", "uniform") != "uniform"
-                else p.bit_width
-            )
-
-        return (one(self.codec["k"]) + one(self.codec["v"])) / 2
+        return (self.recipe.k.bits_per_value + self.recipe.v.bits_per_value) / 2
 
     def block_tokens(self, stream):
-        return int(self.codec[stream].block_size)
+        return self.recipe.block_size
 
     def resolved_params(self):
-        return {
-            "recipe": self.recipe,
-            "k": self.codec["k"].to_dict(),
-            "v": self.codec["v"].to_dict(),
-        }
+        return {"recipe": self.label, **self.recipe.describe()}
 
     def compress(self, x, layer, stream):
-        b, h, t, d = x.shape
-        xf = x.float()
-        if self.transforms is not None:
-            if stream == "k" and not self.options.pre_rope:
-                raise ValueError(
-                    "kakeya with calibration needs pre_rope=true (its frames are pre-RoPE)"
-                )
-            fp = self.calibration.fingerprint
-            if (h, d) != (fp["num_key_value_heads"], fp["head_dim"]):
-                raise ValueError(
-                    f"calibration bundle is for {fp['num_key_value_heads']} KV heads of "
-                    f"{fp['head_dim']} dims, the model has {h} of {d}")
-            xf = self.transforms.forward(xf, layer, stream)
-        x3 = xf.reshape(b * h, t, d).contiguous()
-        params = self.codec[stream]
-        if self.layer_offsets is not None:
-            bits = params.bits_per_value + self.layer_offsets[stream][layer]
-            params = params.replace(bits_per_value=min(max(bits, 0.25), 8.0))
-        encs = self.kt.encode_batch(x3, params)
-        x_hat = torch.as_tensor(self.kt.decode_batch(encs)).reshape(b, h, t, d)
-        if self.transforms is not None:
-            x_hat = self.transforms.inverse(x_hat, layer, stream)
-        x_hat = x_hat.to(x.dtype)
-        rows = [{"encoded": sum(e.nbytes for e in encs[i * h : (i + 1) * h])} for i in range(b)]
-        return x_hat, rows
+        if self.calibration is not None and stream == "k" and not self.options.pre_rope:
+            raise ValueError("kakeya with calibration needs pre_rope=true (pre-RoPE frames)")
+        # The harness hands the prefix from token 0 (codes_sinks_in_place): the sinks are held
+        # exact beside the stream, as KakeyaCache holds them.
+        sinks = torch.zeros((1, x.shape[2]), dtype=torch.bool)
+        sinks[:, : self.options.sink_tokens] = True
+        outs, rows = [], []
+        for i in range(x.shape[0]):
+            pipe = self.pipeline.fresh()  # one passage = one sequence: its own frames
+            y, blocks = pipe.roundtrip(x[i : i + 1].float(), layer, stream, sinks=sinks)
+            outs.append(y)
+            rows.append(
+                {
+                    "encoded": sum(b.encoded_bytes for b in blocks),
+                    "norms": sum(b.norm_bytes for b in blocks),
+                    "frames": pipe.frame_bytes(),
+                }
+            )
+            if self.recorded is not None:
+                self.recorded.setdefault((layer, stream), []).append(blocks)
+        return torch.cat(outs).to(x.dtype), rows

@@ -8,8 +8,10 @@ a layer list is a range). A key `k_<key>` or `v_<key>` overrides `<key>` for tha
 
 These keys are handled by the harness for every method, so they mean the same thing everywhere:
 
-- `sink=N`: the first N tokens of the prefix stay full precision (stored as bf16, counted);
-- `window=N`: the last N tokens of the prefix stay full precision (a residual window);
+- `sink_tokens=N`: the first N tokens of the prefix stay full precision (attention sinks;
+  stored as bf16, counted);
+- `residual_length=N`: the last N tokens of the prefix stay full precision (the recent window,
+  as `KakeyaCache`'s hot window);
 - `skip_layers=a+b`: those layers stay full precision;
 - `layers=a+b`: only those layers are compressed (diagnostics; the others stay full precision);
 - `streams=kv|k|v`: which of keys/values are compressed (the other stays full precision);
@@ -46,7 +48,15 @@ __all__ = [
     "stream_params",
 ]
 
-COMMON_KEYS = ("sink", "window", "skip_layers", "layers", "streams", "passthrough", "pre_rope")
+COMMON_KEYS = (
+    "sink_tokens",
+    "residual_length",
+    "skip_layers",
+    "layers",
+    "streams",
+    "passthrough",
+    "pre_rope",
+)
 STREAMS = ("k", "v")
 
 # category -> bytes, for one passage's prefix; a method's total is the sum of its values
@@ -115,8 +125,8 @@ def _layer_list(value: Any) -> tuple[int, ...]:
 class MethodOptions:
     """The harness-level options of a method (see the module docs)."""
 
-    sink: int = 0
-    window: int = 0
+    sink_tokens: int = 0
+    residual_length: int = 0
     skip_layers: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None
     streams: str = "kv"
@@ -129,10 +139,9 @@ class MethodOptions:
     ) -> MethodOptions:
         base = base or cls()
         kw: dict[str, Any] = {}
-        if "sink" in params:
-            kw["sink"] = int(params["sink"])
-        if "window" in params:
-            kw["window"] = int(params["window"])
+        for name in ("sink_tokens", "residual_length"):
+            if name in params:
+                kw[name] = int(params[name])
         if "skip_layers" in params:
             kw["skip_layers"] = _layer_list(params["skip_layers"])
         if "layers" in params:
@@ -150,8 +159,8 @@ class MethodOptions:
             raise ValueError(f"passthrough must be bf16 or exact, not {opts.passthrough!r}")
         if opts.streams not in ("kv", "k", "v"):
             raise ValueError(f"streams must be kv, k or v, not {opts.streams!r}")
-        if opts.sink < 0 or opts.window < 0:
-            raise ValueError("sink and window must be >= 0")
+        if opts.sink_tokens < 0 or opts.residual_length < 0:
+            raise ValueError("sink_tokens and residual_length must be >= 0")
         return opts
 
     def compresses(self, layer: int, stream: str) -> bool:
@@ -161,8 +170,8 @@ class MethodOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "sink": self.sink,
-            "window": self.window,
+            "sink_tokens": self.sink_tokens,
+            "residual_length": self.residual_length,
             "skip_layers": list(self.skip_layers),
             "layers": None if self.layers is None else list(self.layers),
             "streams": self.streams,

@@ -13,18 +13,14 @@ from .budget import DecodedBudget
 from .cache import KakeyaCache
 from .layer import KakeyaLayer
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan
-from .recipe import default_kv_params
 from .rope import RotarySpec, rotary_spec_from_config
-from .transforms import KeyTransform
 
 __all__ = [
     "KakeyaCache",
     "KakeyaLayer",
-    "KeyTransform",
     "LayerKind",
     "LayerSpec",
     "build_layer_plan",
-    "default_kv_params",
     "DecodedBudget",
     "RotarySpec",
     "rotary_spec_from_config",

@@ -26,18 +26,16 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 import kakeyaturbo as kt
 
+from ..pipeline import Pipeline
+from ..recipes import Recipe, default_recipe
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .budget import DecodedBudget
 from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
-from .recipe import (
-    DEFAULT_RESIDUAL_LENGTH,
-    DEFAULT_SINK_TOKENS,
-    default_pre_rope,
-    resolve_kv_params,
-)
-from .rope import rotary_spec_from_config
-from .transforms import KeyTransform, check_key_transform
+from .rope import ModelRope, rotary_spec_from_config
+
+#: Newest tokens every layer keeps full precision (the hot window).
+DEFAULT_RESIDUAL_LENGTH = 256
 
 _REPORT_SUMS = (
     "tokens",
@@ -63,21 +61,21 @@ class KakeyaCache(Cache):
 
     Args:
         config: the model config (multimodal configs: the text config is used).
-        k_params, v_params: codec parameters of keys and values; a missing one comes from the
-            default recipe (:func:`~kakeyaturbo.hf.recipe.default_kv_params`). Their
-            ``block_size`` is the streaming granularity and must be equal.
-        residual_length: newest tokens always kept full precision (the hot window).
-        sink_tokens: first real tokens of every row kept full precision (attention sinks).
-        skip_layers: full-attention layer indices kept full precision.
-        key_transform: invertible map applied to keys before encoding and undone after decoding
-            (see :class:`~kakeyaturbo.hf.transforms.KeyTransform`).
-        value_transform: the same kind of invertible map, for values.
-        pre_rope: store keys pre-RoPE (unrotate before encoding, rotate back after decoding).
-            Needs the positions of each forward: build the cache with :meth:`from_model`.
-            None (default): the recipe's choice, and always True with a calibration.
+        recipe: how K/V are coded (:class:`~kakeyaturbo.recipes.Recipe`); default:
+            :func:`~kakeyaturbo.recipes.default_recipe` for the given calibration.
         calibration: a calibration bundle (folder or :class:`~kakeyaturbo.calibration.
             Calibration`): keys are coded pre-RoPE in its query-aware frame and values in their
-            PCA frame (it sets both transforms; giving either as well is an error).
+            PCA frame; without one, frames are fitted on each layer's first coded tokens.
+        k_params, v_params: replace the recipe's codec parameters of keys / values (their
+            ``block_size``, the streaming granularity, must be equal).
+        residual_length: newest tokens always kept full precision (the hot window).
+        sink_tokens: first real tokens of every row kept full precision (attention sinks);
+            None: the recipe's.
+        skip_layers: full-attention layer indices kept full precision.
+        pre_rope: store keys pre-RoPE (unrotate before encoding, rotate back after decoding).
+            Needs the positions of each forward: build the cache with :meth:`from_model`.
+            None (default): the recipe's choice where this model's RoPE can be inverted, and
+            always True with a calibration.
         decoded_cache_bytes: explicit budget for keeping decoded blocks between steps (speed for
             memory; counted in :meth:`memory_report`). 0 (default) keeps none.
 
@@ -90,53 +88,29 @@ class KakeyaCache(Cache):
         self,
         config: PretrainedConfig,
         *,
+        recipe: Recipe | None = None,
+        calibration: Any = None,
         k_params: kt.CodecParams | None = None,
         v_params: kt.CodecParams | None = None,
         residual_length: int = DEFAULT_RESIDUAL_LENGTH,
-        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        sink_tokens: int | None = None,
         skip_layers: Iterable[int] | None = None,
-        key_transform: KeyTransform | None = None,
-        value_transform: KeyTransform | None = None,
         pre_rope: bool | None = None,
         decoded_cache_bytes: int = 0,
-        calibration: Any = None,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
                 f"config must be a transformers PretrainedConfig, got {type(config).__name__}"
             )
-        self.k_params, self.v_params = resolve_kv_params(k_params, v_params)
-        self.residual_length = _non_negative_int("residual_length", residual_length)
-        self.sink_tokens = _non_negative_int("sink_tokens", sink_tokens)
         self.calibration = _load_calibration(calibration, config)
-        if self.calibration is not None:
-            if key_transform is not None or value_transform is not None:
-                raise ValueError(
-                    "calibration sets the key and value transforms: give one or the other"
-                )
-            if pre_rope is False:
-                raise ValueError("a calibration codes keys pre-RoPE: pre_rope=False contradicts it")
-            from ..calibration import KVTransforms
-
-            transforms = KVTransforms(self.calibration)
-            key_transform = transforms.key_transform()
-            value_transform = transforms.value_transform()
-            pre_rope = True
-        if pre_rope is None:
-            # The recipe's choice where this model's RoPE can be inverted exactly.
-            pre_rope = default_pre_rope() and _rope_invertible(config)
-        if not isinstance(pre_rope, bool):
-            raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
-        self.pre_rope = pre_rope
+        self.recipe = _resolve_recipe(
+            config, recipe, self.calibration, k_params, v_params, sink_tokens, pre_rope
+        )
+        self.residual_length = _non_negative_int("residual_length", residual_length)
         self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
         self._ctx = CacheContext(
             budget=DecodedBudget(decoded_cache_bytes),
-            key_transform=check_key_transform(key_transform),
-            value_transform=check_key_transform(value_transform),
-            # Frame-free codec parameters (the recipe) and no frame given: fit our own.
-            self_frames=(key_transform is None and value_transform is None
-                         and self.k_params.pca_method == "none"
-                         and self.k_params.allocation == "waterfill"),
+            pipeline=Pipeline(self.recipe, self.calibration, ModelRope(config)),
         )
         cfg = text_config(config)
         layers = [
@@ -154,17 +128,19 @@ class KakeyaCache(Cache):
         self._hook_handles: list = []
         super().__init__(layers=layers)
 
+    @property
+    def pre_rope(self) -> bool:
+        return self.recipe.pre_rope
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.recipe.sink_tokens
+
     def _make_layer(self, spec: LayerSpec, cfg: PretrainedConfig):
         if spec.kind is LayerKind.COMPRESSED:
             rope = rotary_spec_from_config(cfg, spec.layer_type) if self.pre_rope else None
             return KakeyaLayer(
-                spec.index,
-                self.k_params,
-                self.v_params,
-                self.residual_length,
-                self.sink_tokens,
-                self._ctx,
-                rope,
+                spec.index, self.residual_length, self.sink_tokens, self._ctx, rope
             )
         if spec.kind is LayerKind.FULL_PRECISION:
             return DynamicLayer()
@@ -175,38 +151,13 @@ class KakeyaCache(Cache):
         return DummyLayer()
 
     @classmethod
-    def from_model(
-        cls,
-        model: PreTrainedModel,
-        *,
-        k_params: kt.CodecParams | None = None,
-        v_params: kt.CodecParams | None = None,
-        residual_length: int = DEFAULT_RESIDUAL_LENGTH,
-        sink_tokens: int = DEFAULT_SINK_TOKENS,
-        skip_layers: Iterable[int] | None = None,
-        key_transform: KeyTransform | None = None,
-        value_transform: KeyTransform | None = None,
-        pre_rope: bool | None = None,
-        decoded_cache_bytes: int = 0,
-        calibration: Any = None,
-    ) -> KakeyaCache:
-        """Build a cache for ``model`` and hook its decoder (positions, padding); with no
-        parameters, the default recipe is used."""
+    def from_model(cls, model: PreTrainedModel, **kwargs: Any) -> KakeyaCache:
+        """Build a cache for ``model`` (keyword arguments as for the constructor; none: the
+        default recipe) and hook its decoder (positions, padding)."""
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
-        cache = cls(
-            model.config,
-            k_params=k_params,
-            v_params=v_params,
-            residual_length=residual_length,
-            sink_tokens=sink_tokens,
-            skip_layers=skip_layers,
-            key_transform=key_transform,
-            value_transform=value_transform,
-            pre_rope=pre_rope,
-            decoded_cache_bytes=decoded_cache_bytes,
-            calibration=_load_calibration(calibration, model),
-        )
+        kwargs["calibration"] = _load_calibration(kwargs.get("calibration"), model)
+        cache = cls(model.config, **kwargs)
         cache.attach(model)
         return cache
 
@@ -336,6 +287,44 @@ def _load_calibration(calibration: Any, model_or_config: Any):
         return Calibration.load(calibration, model_or_config)
     raise TypeError(
         f"calibration must be a bundle folder or a Calibration, got {type(calibration).__name__}")
+
+
+def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens, pre_rope):
+    """The recipe the cache codes with: the given or default one, with the overrides."""
+    if recipe is None:
+        given = k_params if k_params is not None else v_params
+        if given is not None and not isinstance(given, kt.CodecParams):
+            raise TypeError(
+                f"k_params / v_params must be kakeyaturbo.CodecParams, got {type(given).__name__}"
+            )
+        block = None if given is None else int(given.block_size)
+        recipe = default_recipe(calibration) if block is None else default_recipe(
+            calibration, block_size=block
+        )
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
+    changes: dict[str, Any] = {}
+    for name, p in (("k", k_params), ("v", v_params)):
+        if p is not None:
+            if not isinstance(p, kt.CodecParams):
+                raise TypeError(
+                    f"{name}_params must be a kakeyaturbo.CodecParams, got {type(p).__name__}"
+                )
+            changes[name] = p
+    if sink_tokens is not None:
+        changes["sink_tokens"] = _non_negative_int("sink_tokens", sink_tokens)
+    if pre_rope is not None and not isinstance(pre_rope, bool):
+        raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
+    if calibration is not None:
+        if pre_rope is False:
+            raise ValueError("a calibration codes keys pre-RoPE: pre_rope=False contradicts it")
+        changes["pre_rope"] = True
+    elif pre_rope is None:
+        # The recipe's choice where this model's RoPE can be inverted exactly.
+        changes["pre_rope"] = recipe.pre_rope and _rope_invertible(config)
+    else:
+        changes["pre_rope"] = pre_rope
+    return recipe.replace(**changes)
 
 
 def _rope_invertible(config: PretrainedConfig) -> bool:

@@ -8,9 +8,11 @@ Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
 New tokens land in the hot window. Whenever the hot window holds ``block_size`` tokens more than
 ``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
 (block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
-compresses in one pass. The first ``sink_tokens`` real tokens of each row (attention sinks) are also
-kept exact, beside the stream: they are written over their decoded values, and replaced by the
-block mean before encoding so their outlier norms do not spend the block's PCA and scale.
+compresses in one pass. Blocks are coded by the model's :class:`~kakeyaturbo.pipeline.Pipeline`
+(the same round trip the evaluation measures). The first ``sink_tokens`` real tokens of each row
+(attention sinks, found from the prefill's attention mask, so left padding is skipped) are held
+exact beside the streams; the pipeline codes their block's mean in their place and they are
+written over their decoded slots.
 
 Decoding: every step returns the whole ``[B, H, L, D]`` keys and values (transformers' attention
 needs them). Blocks are decoded on demand; a decoded block is kept only while it fits the
@@ -28,15 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-import kakeyaturbo as kt
-
+from ..pipeline import CodedBlock, Pipeline
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
 from .rope import RotarySpec
-from .transforms import KeyTransform, apply_checked
 
 
 @dataclass
@@ -52,11 +51,7 @@ class CacheContext:
     """State shared by all compressed layers of one cache."""
 
     budget: DecodedBudget
-    key_transform: KeyTransform | None = None
-    value_transform: KeyTransform | None = None  # same protocol, applied to values
-    # Fit per-(layer, head) PCA frames on each layer's first flushed tokens and code in them
-    # (the recipe's frame when no calibration bundle gives one); counted as aux bytes.
-    self_frames: bool = False
+    pipeline: Pipeline  # frames fitted on a layer's first flushed tokens live here (aux bytes)
     step: StepInputs = field(default_factory=StepInputs)
 
 
@@ -64,8 +59,8 @@ class CacheContext:
 class _Block:
     """One compressed block: ``block_size`` tokens of every (batch row, kv-head) stream."""
 
-    k: list  # B*H kt.EncodedLayer, row-major over (batch row, kv-head)
-    v: list
+    k: CodedBlock
+    v: CodedBlock
     positions: Any  # [B, block_size] int32 RoPE positions (pre-RoPE mode only), else None
     decoded: Any = None  # (K, V) [B, H, bs, D] held under the decoded budget, or None
 
@@ -73,33 +68,6 @@ class _Block:
 def _storage_bytes(t: torch.Tensor | None) -> int:
     # Storage, not numel: a view would keep its whole base alive.
     return 0 if t is None else t.untyped_storage().nbytes()
-
-
-def _to_streams(x: torch.Tensor, n: int, bs: int) -> torch.Tensor:
-    """[B, H, n*bs, D] -> [n*B*H, bs, D], block-major so each block's streams are contiguous."""
-    b, h, _, d = x.shape
-    return x.reshape(b, h, n, bs, d).permute(2, 0, 1, 3, 4).reshape(n * b * h, bs, d).contiguous()
-
-
-def _from_streams(y: torch.Tensor, n: int, b: int, h: int) -> torch.Tensor:
-    """Inverse of :func:`_to_streams`."""
-    bs, d = y.shape[-2:]
-    return y.reshape(n, b, h, bs, d).permute(1, 2, 0, 3, 4).reshape(b, h, n * bs, d)
-
-
-def _fit_frames(x: torch.Tensor) -> torch.Tensor:
-    """Per-head PCA frames [H, D, D] (columns by descending variance) of x [B, H, T, D]."""
-    b, h, t, d = x.shape
-    xs = x.double().permute(1, 0, 2, 3).reshape(h, b * t, d)
-    xs = xs - xs.mean(1, keepdim=True)
-    cov = xs.transpose(1, 2) @ xs / max(b * t, 1)
-    _, vecs = torch.linalg.eigh(cov)  # ascending
-    return vecs.flip(-1).float().contiguous()
-
-
-def _decode(encs: list) -> torch.Tensor:
-    out = kt.decode_batch(encs)
-    return torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
 
 
 class KakeyaLayer(CacheLayerMixin):
@@ -114,8 +82,6 @@ class KakeyaLayer(CacheLayerMixin):
     def __init__(
         self,
         layer_idx: int,
-        k_params: kt.CodecParams,
-        v_params: kt.CodecParams,
         residual_length: int,
         sink_tokens: int,
         context: CacheContext,
@@ -123,9 +89,7 @@ class KakeyaLayer(CacheLayerMixin):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.k_params = k_params
-        self.v_params = v_params
-        self.block_size = int(k_params.block_size)
+        self.block_size = context.pipeline.recipe.block_size
         self.residual_length = residual_length
         self.sink_tokens = sink_tokens
         self._ctx = context
@@ -158,7 +122,6 @@ class KakeyaLayer(CacheLayerMixin):
         self._buf_v: Any = None
         self._buf_pending: list[_Block] = []  # blocks compressed but not yet decoded into it
         self._buf_refused = False  # the budget could not hold it; retried after crop/reset
-        self._frames: Any = None  # (F_k, F_v) [H, D, D] self-fitted PCA frames, or None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.dim() != 4 or value_states.dim() != 4:
@@ -301,17 +264,19 @@ class KakeyaLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder batch rows for beam search (streams are re-pointed, not re-encoded)."""
         if self.is_initialized:
-            self._select_rows(torch.as_tensor(beam_idx, dtype=torch.long).reshape(-1))
+            self._select_rows(_row_index(beam_idx, "beam_idx"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times (rows share their compressed streams)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
         if self.is_initialized:
             self._select_rows(torch.arange(self._rows).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the batch rows in ``indices``."""
         if self.is_initialized:
-            self._select_rows(torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu())
+            self._select_rows(_row_index(indices, "indices").cpu())
 
     # ---- accounting ------------------------------------------------------------------------------
 
@@ -319,10 +284,12 @@ class KakeyaLayer(CacheLayerMixin):
         """Bytes this layer holds, measured from what it holds."""
         seen, compressed = set(), 0
         for blk in self._blocks:
-            for enc in (*blk.k, *blk.v):
-                if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share streams
-                    seen.add(id(enc))
-                    compressed += int(enc.nbytes)
+            for coded in (blk.k, blk.v):
+                compressed += coded.norm_bytes
+                for enc in coded.encs:
+                    if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share
+                        seen.add(id(enc))
+                        compressed += int(enc.nbytes)
         full = sum(
             _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
         )
@@ -331,7 +298,7 @@ class KakeyaLayer(CacheLayerMixin):
         # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
         if self._rope is not None and self.is_initialized:
             aux += _storage_bytes(self._rope.inv_freq)
-        aux += 0 if self._frames is None else sum(_storage_bytes(f) for f in self._frames)
+        aux += self._ctx.pipeline.frame_bytes(self.layer_idx)
         decoded = sum(_storage_bytes(t) for b in self._blocks if b.decoded for t in b.decoded)
         decoded += _storage_bytes(self._buf_k) + _storage_bytes(self._buf_v)
         if self.is_initialized:
@@ -426,24 +393,17 @@ class KakeyaLayer(CacheLayerMixin):
             .clone()
         )
 
-    def _neutralise_sinks(self, x: torch.Tensor, start: int, n: int) -> torch.Tensor:
-        """Replace sink tokens inside [start, start + n*bs) by their block's mean of the other
-        tokens: their exact values live beside the stream, and their large norms would otherwise
-        dominate the block's PCA and quantiser scale."""
+    def _sink_mask(self, start: int, t: int) -> torch.Tensor | None:
+        """[B, t] bool: which of cache slots start..start+t are sinks (held exact)."""
         if self._sink_idx is None:
-            return x
-        bs, t = self.block_size, n * self.block_size
+            return None
         sel = (self._sink_idx >= start) & (self._sink_idx < start + t)
         if not bool(sel.any()):
-            return x
-        keep = torch.ones((x.shape[0], t), dtype=x.dtype, device=x.device)
+            return None
+        mask = torch.zeros((self._rows, t), dtype=torch.bool)
         rows, slots = sel.nonzero(as_tuple=True)
-        keep[rows, self._sink_idx[rows, slots] - start] = 0
-        b, h, _, d = x.shape
-        xb = x.reshape(b, h, n, bs, d)
-        kb = keep.reshape(b, 1, n, bs, 1)
-        mean = (xb * kb).sum(3, keepdim=True) / kb.sum(3, keepdim=True).clamp(min=1)
-        return torch.where(kb.bool(), xb, mean).reshape(b, h, t, d)
+        mask[rows.cpu(), (self._sink_idx[rows, slots] - start).cpu()] = True
+        return mask
 
     def _flush(self) -> None:
         """Encode every whole block of hot tokens older than the residual window."""
@@ -452,30 +412,15 @@ class KakeyaLayer(CacheLayerMixin):
         if n == 0:
             return
         t, start = n * bs, self.compressed_length
-        b, h = self._rows, self._heads
-        xk = self._hot_k[:, :, :t].float()
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        if pos is not None:
-            assert self._rope is not None  # positions are only tracked in pre-RoPE mode
-            xk = self._rope.unrotate(xk, pos)
-        xk = self._neutralise_sinks(xk, start, n)
-        if self._ctx.key_transform is not None:
-            xk = apply_checked(self._ctx.key_transform.forward, xk, self.layer_idx, "forward")
-        xv = self._neutralise_sinks(self._hot_v[:, :, :t].float(), start, n)
-        if self._ctx.value_transform is not None:
-            xv = apply_checked(self._ctx.value_transform.forward, xv, self.layer_idx, "forward")
-        if self._ctx.self_frames:
-            if self._frames is None:
-                self._frames = (_fit_frames(xk), _fit_frames(xv))
-            xk = torch.einsum("bhtd,hde->bhte", xk, self._frames[0].to(xk.device))
-            xv = torch.einsum("bhtd,hde->bhte", xv, self._frames[1].to(xv.device))
-        enc_k = kt.encode_batch(_to_streams(xk.cpu(), n, bs), self.k_params)
-        enc_v = kt.encode_batch(_to_streams(xv.cpu(), n, bs), self.v_params)
-        per = b * h
+        sinks = self._sink_mask(start, t)
+        pipe, li = self._ctx.pipeline, self.layer_idx
+        enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
+        enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks)
         for j in range(n):
             blk = _Block(
-                k=list(enc_k[j * per : (j + 1) * per]),
-                v=list(enc_v[j * per : (j + 1) * per]),
+                k=enc_k[j],
+                v=enc_v[j],
                 positions=None if pos is None else pos[:, j * bs : (j + 1) * bs].clone(),
             )
             self._blocks.append(blk)
@@ -489,22 +434,18 @@ class KakeyaLayer(CacheLayerMixin):
             self._hot_pos = self._hot_pos[:, t:].clone()
 
     def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode ``blocks`` in one batched call per K/V -> [B, H, n*bs, D] in the model dtype."""
-        n, b, h = len(blocks), self._rows, self._heads
-        dk = _from_streams(_decode([e for blk in blocks for e in blk.k]), n, b, h).float()
-        dv = _from_streams(_decode([e for blk in blocks for e in blk.v]), n, b, h)
-        if self._ctx.value_transform is not None:
-            dv = apply_checked(self._ctx.value_transform.inverse, dv.float(), self.layer_idx,
-                               "inverse")
-        if self._frames is not None:  # frames are orthonormal: the inverse is the transpose
-            dk = torch.einsum("bhte,hde->bhtd", dk, self._frames[0])
-            dv = torch.einsum("bhte,hde->bhtd", dv.float(), self._frames[1])
-        dk = dk.to(self.device)
-        if self._ctx.key_transform is not None:
-            dk = apply_checked(self._ctx.key_transform.inverse, dk, self.layer_idx, "inverse")
+        """Decode ``blocks`` (one batched call per K/V) -> [B, H, n*bs, D] in the model dtype;
+        sink slots hold their block's mean (callers write the exact sinks over them)."""
+        pipe, li, b = self._ctx.pipeline, self.layer_idx, self._rows
+        pos = None
         if self._rope is not None:
-            dk = self._rope.rotate(dk, torch.cat([blk.positions for blk in blocks], dim=-1))
-        return dk.to(self.dtype), dv.to(device=self.device, dtype=self.dtype)
+            pos = torch.cat([blk.positions for blk in blocks], dim=-1)
+        dk = pipe.decode([blk.k for blk in blocks], li, "k", b, pos)
+        dv = pipe.decode([blk.v for blk in blocks], li, "v", b)
+        return (
+            dk.to(device=self.device, dtype=self.dtype),
+            dv.to(device=self.device, dtype=self.dtype),
+        )
 
     def _materialize(self, keep: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of all blocks, in order, as lists of pieces to concatenate; with
@@ -629,8 +570,8 @@ class KakeyaLayer(CacheLayerMixin):
             self._sink_k = self._sink_k.index_select(0, rows_dev)
             self._sink_v = self._sink_v.index_select(0, rows_dev)
         for blk in self._blocks:
-            blk.k = [blk.k[r * h + j] for r in order for j in range(h)]
-            blk.v = [blk.v[r * h + j] for r in order for j in range(h)]
+            blk.k = blk.k.select_rows(order, h)
+            blk.v = blk.v.select_rows(order, h)
             if blk.positions is not None:
                 blk.positions = blk.positions.index_select(0, rows_dev)
             if blk.decoded is not None:
@@ -640,6 +581,15 @@ class KakeyaLayer(CacheLayerMixin):
                 if self._ctx.budget.try_reserve(sum(_storage_bytes(t) for t in new)):
                     blk.decoded = new
         self._rows = len(order)
+
+
+def _row_index(index: Any, name: str) -> torch.Tensor:
+    """A 1-D long tensor of batch rows; float or bool indices are refused (as DynamicCache's
+    index_select refuses them) instead of being truncated."""
+    t = torch.as_tensor(index)
+    if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integer row indices, got dtype {t.dtype}")
+    return t.to(torch.long).reshape(-1)
 
 
 def _report(kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf16, dense) -> dict:

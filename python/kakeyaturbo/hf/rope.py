@@ -115,3 +115,33 @@ def rotary_spec_from_config(
         inv_freq = inv_freq / float(params["factor"])
     adjacent = getattr(config, "model_type", "") in ADJACENT_PAIR_MODEL_TYPES
     return RotarySpec(inv_freq=inv_freq, rot_dim=dim, adjacent_pairs=adjacent)
+
+
+class ModelRope:
+    """Every layer's RoPE of a model (Gemma 3 style models have one per layer type):
+    ``rope(layer)`` -> :class:`RotarySpec`, built once per layer type."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        from .layer_plan import _layer_types, text_config
+
+        self._config = text_config(config)
+        self._types = _layer_types(self._config)
+        self._specs: dict[str, RotarySpec] = {}
+
+    def __call__(self, layer: int) -> RotarySpec:
+        kind = self._types[layer]
+        if kind not in self._specs:
+            self._specs[kind] = rotary_spec_from_config(self._config, kind)
+        return self._specs[kind]
+
+    def unrotate(self, x: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+        """Undo RoPE on ``x`` [B, H, T, D] whose token ``i`` sits at position ``start + i``."""
+        return self(layer).unrotate(x, _span(x, start))
+
+    def rotate(self, x: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+        return self(layer).rotate(x, _span(x, start))
+
+
+def _span(x: torch.Tensor, start: int) -> torch.Tensor:
+    pos = torch.arange(start, start + x.shape[2], dtype=torch.int32, device=x.device)
+    return pos.expand(x.shape[0], -1)

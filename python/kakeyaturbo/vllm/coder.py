@@ -6,10 +6,10 @@ vLLM hands attention the K/V of every token scheduled in a forward, all sequence
 tokens of one sequence) with decode steps (one token per sequence). :func:`plan_forward`
 splits the rows into runs of one sequence and picks the rows to code:
 
-* runs shorter than ``min_tokens`` (decode steps) stay exact;
-* rows at positions below ``sink_tokens`` (attention sinks) stay exact;
-* the rest of a run is coded as one stream per KV head, ``[tokens, head_dim]``, exactly as
-  ``kakeyaturbo eval`` codes a passage's prefix (same parameters, same calibration frames).
+* runs with fewer than ``min_tokens`` rows past the sinks (decode steps) stay exact;
+* a run is coded through :class:`~kakeyaturbo.pipeline.Pipeline`, the round trip
+  ``KakeyaCache`` and ``kakeyaturbo eval`` use (same recipe, frames and blocks); rows at
+  positions below ``sink_tokens`` (attention sinks) are held exact, as there.
 
 The plan is made once per forward and shared by every layer.
 """
@@ -24,8 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-import kakeyaturbo as kt
-
+from ..pipeline import Pipeline
 from .config import VLLMHookConfig
 from .transfer import TransferStats, to_device, to_host
 
@@ -34,10 +33,12 @@ __all__ = ["ForwardPlan", "HookStats", "KVCoder", "plan_forward", "runs_from_pos
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Rows of one forward to code: half-open ``[start, end)`` row ranges, one per run."""
+    """Rows of one forward to code: half-open ``[start, end)`` row ranges, one per run, and
+    how many leading rows of each are attention sinks (held exact)."""
 
     num_tokens: int
     coded: tuple[tuple[int, int], ...]
+    sinks: tuple[int, ...] = ()
 
     @property
     def coded_tokens(self) -> int:
@@ -80,15 +81,16 @@ def plan_forward(
         positions = positions.detach().to("cpu").numpy()
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     runs = runs_from_positions(pos) if runs is None else runs
-    coded = []
+    coded, sinks = [], []
     for s, e in runs:
         if not 0 <= s < e <= pos.size:
             raise ValueError(f"run [{s}, {e}) outside the forward's {pos.size} tokens")
-        # Sinks lead their run (positions are consecutive inside it): skip them.
-        lo = s + int(np.count_nonzero(pos[s:e] < config.sink_tokens))
-        if e - lo >= config.min_tokens:
-            coded.append((lo, e))
-    return ForwardPlan(int(pos.size), tuple(coded))
+        # Sinks lead their run (positions are consecutive inside it).
+        n_sinks = int(np.count_nonzero(pos[s:e] < config.sink_tokens))
+        if e - s - n_sinks >= config.min_tokens:
+            coded.append((s, e))
+            sinks.append(n_sinks)
+    return ForwardPlan(int(pos.size), tuple(coded), tuple(sinks))
 
 
 @dataclass
@@ -148,12 +150,14 @@ class KVCoder:
         if not isinstance(config, VLLMHookConfig):
             raise TypeError(f"config must be a VLLMHookConfig, got {type(config).__name__}")
         self.config = config
-        self.params = config.codec_params
-        self.transforms = None
+        calibration = None
         if config.calibration is not None:
-            from kakeyaturbo.calibration import Calibration, KVTransforms
+            from kakeyaturbo.calibration import Calibration
 
-            self.transforms = KVTransforms(Calibration.load(config.calibration, hf_config))
+            calibration = Calibration.load(config.calibration, hf_config)
+        # Keys reach the coder already pre-RoPE (pre-RoPE hook) or as attention sees them
+        # (post-RoPE hook): the pipeline never rotates them.
+        self.pipeline = Pipeline(config.recipe(calibration), calibration)
         self.stats = HookStats()
 
     def roundtrip(
@@ -186,26 +190,22 @@ class KVCoder:
         heads = width // head_dim
         host = to_host(x, self.stats.transfer).reshape(plan.num_tokens, heads, head_dim)
         out = host.clone()
-        for s, e in plan.coded:
-            seg = host[s:e].float().permute(1, 0, 2)  # [H, n, D]: one stream per KV head
-            out[s:e] = self._code(seg, layer, stream, count).permute(1, 0, 2).to(x.dtype)
+        for (s, e), n_sinks in zip(plan.coded, plan.sinks):
+            seg = host[s:e].float().permute(1, 0, 2)[None]  # [1, H, n, D]: a stream per head
+            out[s:e] = self._code(seg, n_sinks, layer, stream, count)[0].permute(1, 0, 2)
+            count.exact_tokens += n_sinks
         count.exact_tokens += plan.num_tokens - plan.coded_tokens
         return to_device(out.reshape(x.shape), x.device, self.stats.transfer)
 
-    def _code(self, seg: torch.Tensor, layer: int, stream: str, count: _StreamCount):
-        if self.transforms is not None:
-            seg = self.transforms.forward(seg[None], layer, stream)[0]
-        seg = seg.contiguous()
+    def _code(self, seg: torch.Tensor, n_sinks: int, layer: int, stream: str,
+              count: _StreamCount) -> torch.Tensor:
+        sinks = torch.zeros((1, seg.shape[2]), dtype=torch.bool)
+        sinks[:, :n_sinks] = True
+        pipe = self.pipeline.fresh()  # a prompt is an independent sequence: its own frames
         t0 = time.perf_counter()
-        try:
-            encs = kt.encode_batch(seg, self.params[stream])  # DLPack, no copy
-        except ValueError as exc:
-            raise ValueError(f"layer {layer} {stream}: {exc}") from None
-        y = kt.decode_batch(encs, out="torch")  # float32 CPU: wraps the array, no copy
+        y, blocks = pipe.roundtrip(seg, layer, stream, sinks=sinks)
         self.stats.codec_seconds += time.perf_counter() - t0
-        count.coded_tokens += seg.shape[1]
-        count.encoded_bytes += sum(e.nbytes for e in encs)
-        count.bf16_bytes += seg.numel() * 2
-        if self.transforms is not None:
-            y = self.transforms.inverse(y[None], layer, stream)[0]
+        count.coded_tokens += seg.shape[2] - n_sinks
+        count.encoded_bytes += sum(b.nbytes for b in blocks) + pipe.frame_bytes()
+        count.bf16_bytes += (seg.shape[2] - n_sinks) * seg.shape[1] * seg.shape[3] * 2
         return y

@@ -25,12 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import kakeyaturbo as kt
-from kakeyaturbo.recipes import (
-    DEFAULT_SINK_TOKENS,
-    Recipe,
-    calibrated_recipe,
-    self_calibrated_recipe,
-)
+from kakeyaturbo.recipes import DEFAULT_SINK_TOKENS, Recipe, default_recipe
 
 __all__ = ["CONFIG_ENV", "HOOKS", "MODES", "STREAMS", "VLLMHookConfig"]
 
@@ -58,13 +53,13 @@ class VLLMHookConfig:
             ``"post-rope"``: keys are coded as vLLM's ``Attention`` layer receives them (any
             model; no calibration).
         streams: which of keys and values are coded; the other stays exact.
-        k_params, v_params: codec parameters; ``None`` takes the recipe's
-            (:func:`~kakeyaturbo.recipes.calibrated_recipe` with a calibration, else
-            :func:`~kakeyaturbo.recipes.self_calibrated_recipe`).
+        k_params, v_params: codec parameters; ``None`` takes the default recipe's
+            (:func:`~kakeyaturbo.recipes.default_recipe`, with or without a calibration).
         calibration: a calibration bundle folder (``kakeyaturbo calibrate``); needs
             ``hook="pre-rope"``.
         skip_layers: decoder layer indices kept exact.
-        sink_tokens: tokens at positions below this stay exact (attention sinks).
+        sink_tokens: tokens at positions below this are held exact (attention sinks), as in
+            ``KakeyaCache`` and the evaluation.
         min_tokens: a sequence's run of new tokens in one forward shorter than this stays
             exact (decode steps are never coded: generated tokens are not compressed, as in
             the evaluation protocol).
@@ -127,6 +122,13 @@ class VLLMHookConfig:
             "k": self.k_params if self.k_params is not None else self._recipe.k,
             "v": self.v_params if self.v_params is not None else self._recipe.v,
         }
+
+    def recipe(self, calibration: Any = None) -> Recipe:
+        """The recipe the hooks code with, given the loaded calibration bundle (or None)."""
+        base = default_recipe(calibration) if calibration is not None else self._recipe
+        return base.replace(
+            k=self.codec_params["k"], v=self.codec_params["v"], sink_tokens=self.sink_tokens
+        )
 
     def codes(self, layer: int, stream: str) -> bool:
         """Whether ``stream`` ('k' or 'v') of decoder layer ``layer`` is coded."""
@@ -197,7 +199,7 @@ class VLLMHookConfig:
 
 def _recipe_for(calibration: Any) -> Recipe:
     """The recipe a config's parameters start from: with or without a calibration bundle."""
-    return calibrated_recipe() if calibration else self_calibrated_recipe()
+    return default_recipe(True if calibration else None)
 
 
 def _is_int(x: Any) -> bool:

@@ -1,0 +1,291 @@
+"""The one round trip behind every front-end: ``KakeyaCache``, the evaluation's ``kakeya``
+method and the vLLM hooks all code K/V through :class:`Pipeline` and keep no copy of it.
+
+One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go through::
+
+    keys: unrotate RoPE (pre-RoPE recipes, at the tokens' positions)
+    -> coding frame      calibration bundle's (query-aware whitened PCA for keys, PCA for
+                         values; nothing stored) or a PCA frame per (layer, head) fitted on the
+                         first tokens coded and held once as float16 (counted)
+    -> token norms       (recipe's choice per stream) each token is scaled to unit norm and
+                         its norm held as float16, so the codec's error is relative per token:
+                         small-norm tokens that draw much attention keep their precision
+    -> codec             one stream per (block, batch row, kv head): water-filling over the
+                         frame's components at the layer's bits per value
+    <- and back in reverse order on decode.
+
+Blocks are ``recipe.block_size`` tokens; a span that is not a whole number of blocks ends in a
+shorter block (the evaluation's prefixes; the cache only ever codes whole blocks).
+
+**Attention sinks** (one meaning everywhere: the first ``sink_tokens`` real tokens of each
+sequence are held exact, beside the streams, by the caller). The caller passes their mask; in
+the coded block they are replaced by the mean of the block's other tokens, so their large,
+unusual vectors spend neither the frame nor the quantiser's range, and the caller writes the
+exact values over their decoded slots. The recent window is the caller's: it is never coded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from . import codec as _codec
+from .recipes import Recipe
+
+__all__ = ["CodedBlock", "Pipeline", "STREAMS"]
+
+STREAMS = ("k", "v")
+#: Bytes per stored float16 element (token norms, self-fitted frames).
+_HALF = 2
+
+
+@dataclass(eq=False)
+class CodedBlock:
+    """One block of one stream: ``tokens`` tokens of every (batch row, kv head)."""
+
+    encs: list  # rows * heads kt.EncodedLayer, row-major over (batch row, kv head)
+    norms: Optional[torch.Tensor]  # [rows, heads, tokens] float16, or None
+    tokens: int
+
+    @property
+    def encoded_bytes(self) -> int:
+        """Exact serialized size of the streams."""
+        return sum(int(e.nbytes) for e in self.encs)
+
+    @property
+    def norm_bytes(self) -> int:
+        return 0 if self.norms is None else self.norms.numel() * _HALF
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held: serialized streams plus token norms."""
+        return self.encoded_bytes + self.norm_bytes
+
+    def select_rows(self, order: list[int], heads: int) -> CodedBlock:
+        """The block for batch rows ``order`` (streams are shared, not re-encoded)."""
+        encs = [self.encs[r * heads + j] for r in order for j in range(heads)]
+        norms = None if self.norms is None else self.norms[torch.tensor(order)]
+        return CodedBlock(encs, norms, self.tokens)
+
+
+def _fit_frame(x: torch.Tensor) -> torch.Tensor:
+    """Per-head PCA frames ``[H, D, D]`` (columns by descending variance) of ``x`` [B, H, T, D],
+    rounded to float16 (as held) and returned as float32."""
+    b, h, t, d = x.shape
+    xs = x.double().permute(1, 0, 2, 3).reshape(h, b * t, d)
+    xs = xs - xs.mean(1, keepdim=True)
+    cov = xs.transpose(1, 2) @ xs / max(b * t, 1)
+    _, vecs = torch.linalg.eigh(cov)  # ascending
+    return vecs.flip(-1).half().float().contiguous()
+
+
+class Pipeline:
+    """Codes one model's K/V with one recipe (and, optionally, its calibration bundle).
+
+    Args:
+        recipe: what to do (:mod:`kakeyaturbo.recipes`).
+        calibration: a :class:`~kakeyaturbo.calibration.Calibration` whose frames replace the
+            self-fitted ones (keys must then be pre-RoPE).
+        rope: ``rope(layer)`` -> the layer's :class:`~kakeyaturbo.hf.rope.RotarySpec`, needed
+            when keys arrive post-RoPE with positions (pre-RoPE recipes).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        calibration: Any = None,
+        rope: Optional[Callable[[int], Any]] = None,
+    ) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe)}")
+        self.recipe = recipe
+        self.calibration = calibration
+        self._rope = rope
+        self._transforms = None
+        if calibration is not None:
+            from .calibration import KVTransforms
+
+            self._transforms = KVTransforms(calibration, whiten=recipe.whiten)
+        # (layer, stream) -> [H, D, D] self-fitted frame, fitted on the first tokens coded.
+        self._frames: dict[tuple[int, str], torch.Tensor] = {}
+
+    def fresh(self) -> Pipeline:
+        """The same recipe and calibration with no self-fitted frame yet (an independent
+        sequence: each evaluation passage, each vLLM prompt)."""
+        return Pipeline(self.recipe, self.calibration, self._rope)
+
+    # ---- accounting ------------------------------------------------------------------------
+
+    def frame_bytes(self, layer: Optional[int] = None) -> int:
+        """Bytes of the self-fitted frames held (for ``layer``, or all layers)."""
+        return sum(
+            f.numel() * _HALF for (li, _), f in self._frames.items() if layer in (None, li)
+        )
+
+    # ---- the round trip --------------------------------------------------------------------
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        stream: str,
+        positions: Optional[torch.Tensor] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> list[CodedBlock]:
+        """Code ``x`` ``[B, H, T, D]`` into blocks of ``recipe.block_size`` tokens.
+
+        ``positions`` ([B, T] int) are the keys' RoPE positions: given for post-RoPE keys of a
+        pre-RoPE recipe, they are unrotated first. Keys that are already pre-RoPE (vLLM's
+        pre-RoPE hook) and values pass None. ``sinks`` ([B, T] bool): tokens the caller holds
+        exact (coded as their block's mean)."""
+        _check(x, stream)
+        bs = self.recipe.block_size
+        x = x.detach().float().cpu()
+        if positions is not None and stream == "k" and self.recipe.pre_rope:
+            x = self._rope_for(layer).unrotate(x, positions.cpu())
+        if sinks is not None and bool(sinks.any()):
+            x = _neutralise(x, sinks.cpu(), bs)
+        y = self._into_frame(x, layer, stream)
+        b, h, t, d = y.shape
+        norms = None
+        if self.recipe.token_norms(stream):
+            norms = y.norm(dim=-1).half()
+            # Zero vectors stay zero: divide by 1 (their norm is stored as 0).
+            y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+        params = self.recipe.params(layer, stream)
+        blocks: list[CodedBlock] = []
+        whole = t // bs
+        if whole:
+            streams = y[:, :, : whole * bs].reshape(b, h, whole, bs, d).permute(2, 0, 1, 3, 4)
+            encs = _encode(streams.reshape(whole * b * h, bs, d), params, layer, stream)
+            per = b * h
+            for j in range(whole):
+                blocks.append(
+                    CodedBlock(
+                        encs[j * per : (j + 1) * per],
+                        None if norms is None else norms[:, :, j * bs : (j + 1) * bs].clone(),
+                        bs,
+                    )
+                )
+        rest = t - whole * bs
+        if rest:
+            tail = y[:, :, whole * bs :].reshape(b * h, rest, d)
+            blocks.append(
+                CodedBlock(
+                    _encode(tail, params, layer, stream),
+                    None if norms is None else norms[:, :, whole * bs :].clone(),
+                    rest,
+                )
+            )
+        return blocks
+
+    def decode(
+        self,
+        blocks: list[CodedBlock],
+        layer: int,
+        stream: str,
+        rows: int,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU
+        (keys rotated back to ``positions`` when given)."""
+        if not blocks:
+            raise ValueError("decode: no blocks")
+        parts = []
+        # Equal-length blocks decode in one parallel call.
+        i = 0
+        while i < len(blocks):
+            j = i
+            while j < len(blocks) and blocks[j].tokens == blocks[i].tokens:
+                j += 1
+            parts.extend(_decode_run(blocks[i:j], rows))
+            i = j
+        y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        if self.recipe.token_norms(stream):
+            norms = torch.cat([blk.norms for blk in blocks], dim=-1)  # type: ignore[misc]
+            y = y * norms.float()[..., None]
+        return self._from_frame(y, layer, stream, positions)
+
+    def roundtrip(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        stream: str,
+        positions: Optional[torch.Tensor] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, list[CodedBlock]]:
+        """Encode then decode ``x``: (reconstruction in ``x``'s dtype and device, with the
+        ``sinks`` written back exact; the blocks). Frame bytes are the caller's to count
+        (:meth:`frame_bytes`): they are held once per sequence, not per call."""
+        blocks = self.encode(x, layer, stream, positions, sinks)
+        y = self.decode(blocks, layer, stream, x.shape[0], positions)
+        y = y.to(device=x.device, dtype=x.dtype)
+        if sinks is not None:
+            y = torch.where(sinks.to(y.device)[:, None, :, None], x, y)
+        return y, blocks
+
+    # ---- frames ----------------------------------------------------------------------------
+
+    def _into_frame(self, x, layer, stream):
+        if self._transforms is not None:
+            return self._transforms.forward(x, layer, stream)
+        frame = self._frames.get((layer, stream))
+        if frame is None:
+            frame = self._frames[(layer, stream)] = _fit_frame(x)
+        return torch.einsum("bhtd,hde->bhte", x, frame)
+
+    def _from_frame(self, y, layer, stream, positions):
+        if self._transforms is not None:
+            x = self._transforms.inverse(y, layer, stream)
+        else:
+            # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
+            # encoder projected with the same matrix, so the round trip stays consistent.
+            frame = self._frames[(layer, stream)]
+            x = torch.einsum("bhte,hde->bhtd", y, frame)
+        if positions is not None and stream == "k" and self.recipe.pre_rope:
+            x = self._rope_for(layer).rotate(x, positions.cpu())
+        return x
+
+    def _rope_for(self, layer: int):
+        if self._rope is None:
+            raise ValueError("pre-RoPE recipe: keys with positions need the model's RoPE")
+        return self._rope(layer)
+
+
+def _check(x: Any, stream: str) -> None:
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be 'k' or 'v', got {stream!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"expected [batch, kv_heads, tokens, head_dim] tensor, got {got}")
+
+
+def _neutralise(x: torch.Tensor, sinks: torch.Tensor, bs: int) -> torch.Tensor:
+    """``x`` with each sink token replaced by the mean of the other tokens of its block."""
+    keep = (~sinks.bool()).to(x.dtype)[:, None, :, None]  # [B, 1, T, 1]
+    out = x.clone()
+    for lo in range(0, x.shape[2], bs):
+        seg, k = x[:, :, lo : lo + bs], keep[:, :, lo : lo + bs]
+        mean = (seg * k).sum(2, keepdim=True) / k.sum(2, keepdim=True).clamp(min=1)
+        out[:, :, lo : lo + bs] = torch.where(k.bool(), seg, mean)
+    return out
+
+
+def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:
+    try:
+        return _codec.encode_batch(streams.contiguous(), params)
+    except ValueError as exc:
+        raise ValueError(f"layer {layer} {stream}: {exc}") from None
+
+
+def _decode_run(blocks: list[CodedBlock], rows: int) -> list[torch.Tensor]:
+    """Decode equally long blocks in one call -> one [rows, H, tokens, D] tensor per block."""
+    encs = [e for blk in blocks for e in blk.encs]
+    out = _codec.decode_batch(encs)
+    y = torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
+    n, t, d = len(blocks), blocks[0].tokens, y.shape[-1]
+    y = y.float().reshape(n, rows, -1, t, d)
+    return [y[j] for j in range(n)]
