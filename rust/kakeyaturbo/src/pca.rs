@@ -262,7 +262,7 @@ pub(crate) mod tests {
     use crate::params::InputDtype;
     use crate::rng::SplitMix64;
     use crate::stages::rel_err;
-    use crate::test_data::{kv_like, roundtrip};
+    use crate::test_data::{kv_like, roundtrip, total_outliers};
 
     /// Rows with variance `scales[j]^2` along a random orthonormal frame.
     pub(crate) fn anisotropic(n: usize, d: usize, seed: u64) -> Vec<f32> {
@@ -376,14 +376,9 @@ pub(crate) mod tests {
         let (_, ee) = roundtrip(&x, n, d, &exact);
         assert_eq!(en.stats()[0].d_eff, d);
         // Two blocks' D x D fp16 bases are not stored.
-        let outl = |e: &EncodedLayer| {
-            e.stats()
-                .iter()
-                .map(|s| s.n_outliers as isize)
-                .sum::<isize>()
-        };
         let diff = ee.nbytes() as isize - en.nbytes() as isize;
-        assert_eq!(diff, 2 * (d * d * 2) as isize + 6 * (outl(&ee) - outl(&en)));
+        let outliers = total_outliers(&ee) - total_outliers(&en);
+        assert_eq!(diff, 2 * (d * d * 2) as isize + 6 * outliers);
         assert!(rel_err(&x, &yn) < 0.2);
         let back = EncodedLayer::from_bytes(en.as_bytes().to_vec()).unwrap();
         assert_eq!(decode_layer(&back).unwrap(), yn);

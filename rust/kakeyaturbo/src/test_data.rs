@@ -42,3 +42,23 @@ pub(crate) fn waterfill(bpv: f32) -> CodecParams {
         ..Default::default()
     }
 }
+
+/// Outliers stored in all of a layer's blocks.
+pub(crate) fn total_outliers(e: &EncodedLayer) -> isize {
+    e.stats().iter().map(|s| s.n_outliers as isize).sum()
+}
+
+/// Every truncation of a valid encoding and 2,000 random single-bit flips (drawn from
+/// `seed`) are rejected by `from_bytes`, the flips with a format error; none panics.
+pub(crate) fn assert_corruption_is_rejected(good: &[u8], seed: u64) {
+    for cut in 0..good.len() {
+        assert!(EncodedLayer::from_bytes(good[..cut].to_vec()).is_err());
+    }
+    let mut g = SplitMix64::new(seed, seed + 1);
+    for _ in 0..2000 {
+        let mut b = good.to_vec();
+        let i = g.below(b.len());
+        b[i] ^= 1 << g.below(8);
+        assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
+    }
+}

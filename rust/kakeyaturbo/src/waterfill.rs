@@ -183,9 +183,8 @@ mod tests {
     use super::*;
     use crate::codec::{decode_layer, encode_layer, encode_layer_with, EncodedLayer};
     use crate::params::{InputDtype, PcaMethod};
-    use crate::rng::SplitMix64;
     use crate::stages::rel_err;
-    use crate::test_data::{kv_like, roundtrip, waterfill};
+    use crate::test_data::{assert_corruption_is_rejected, kv_like, roundtrip, waterfill};
 
     #[test]
     fn high_variance_components_get_more_bits() {
@@ -309,17 +308,7 @@ mod tests {
         };
         for ext in [None, Some(&basis)] {
             let enc = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, ext).unwrap();
-            let good = enc.as_bytes().to_vec();
-            for cut in 0..good.len() {
-                assert!(EncodedLayer::from_bytes(good[..cut].to_vec()).is_err());
-            }
-            let mut g = SplitMix64::new(3, 4);
-            for _ in 0..2000 {
-                let mut b = good.clone();
-                let i = g.below(b.len());
-                b[i] ^= 1 << g.below(8);
-                assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
-            }
+            assert_corruption_is_rejected(enc.as_bytes(), 3);
         }
     }
 

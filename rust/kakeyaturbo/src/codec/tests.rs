@@ -1,9 +1,8 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::rng::SplitMix64;
 use crate::stages::rel_err;
-use crate::test_data::{kv_like, roundtrip};
+use crate::test_data::{assert_corruption_is_rejected, kv_like, roundtrip, total_outliers};
 
 #[test]
 fn deterministic_for_fixed_seed_and_seed_matters() {
@@ -54,17 +53,9 @@ fn shared_basis_is_smaller_than_per_block_bases() {
     let shared = encode_layer(&x, n, d, None, &shared_p, InputDtype::F32).unwrap();
     // Three fewer D x D fp16 bases and means, minus the shared section's d_eff field;
     // codes, labels and scales have the same sizes, outlier counts may differ.
-    let outliers = |e: &EncodedLayer| {
-        e.stats()
-            .iter()
-            .map(|s| s.n_outliers as isize)
-            .sum::<isize>()
-    };
     let diff = per_block.nbytes() as isize - shared.nbytes() as isize;
-    assert_eq!(
-        diff,
-        3 * (64 * 64 + 64) * 2 - 4 + 6 * (outliers(&per_block) - outliers(&shared))
-    );
+    let outliers = total_outliers(&per_block) - total_outliers(&shared);
+    assert_eq!(diff, 3 * (64 * 64 + 64) * 2 - 4 + 6 * outliers);
 }
 
 #[test]
@@ -117,17 +108,7 @@ fn corrupt_bytes_never_panic() {
         ..Default::default()
     };
     let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
-    let good = enc.as_bytes().to_vec();
-    for cut in 0..good.len() {
-        assert!(EncodedLayer::from_bytes(good[..cut].to_vec()).is_err());
-    }
-    let mut g = SplitMix64::new(1, 2);
-    for _ in 0..2000 {
-        let mut b = good.clone();
-        let i = g.below(b.len());
-        b[i] ^= 1 << g.below(8);
-        assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
-    }
+    assert_corruption_is_rejected(enc.as_bytes(), 1);
 }
 
 proptest! {
