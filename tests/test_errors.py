@@ -3,6 +3,7 @@ FormatError (never a crash, a hang or a huge allocation)."""
 
 from __future__ import annotations
 
+import pickle
 import struct
 import zlib
 
@@ -36,7 +37,7 @@ def test_bad_arrays(bad, exc, match):
 def test_non_finite_input(value):
     x = X.copy()
     x[7, 3] = value
-    with pytest.raises(ValueError, match="non-finite"):
+    with pytest.raises(ValueError, match="non-finite value .* at token 7, dim 3"):
         kt.encode_layer(x)
     with pytest.raises(ValueError, match="non-finite"):
         kt.encode_batch(x[None])
@@ -67,12 +68,69 @@ def test_invalid_params(kwargs, match):
 
 
 def test_unknown_param_and_positional():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="'bits'"):
         kt.CodecParams(bits=3)
     with pytest.raises(TypeError):
         kt.CodecParams(3)
-    with pytest.raises(ValueError, match="no field"):
+    with pytest.raises(TypeError, match='unexpected keyword argument "bits"'):
         kt.CodecParams().replace(bits=3)
+
+
+INT_FIELDS = "block_size bit_width target_rank oversample power_iters rank_cap k kmeans_iters seed"
+FLOAT_FIELDS = "variance_ratio outlier_threshold bits_per_value"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"seed": -1}, r"seed must be in 0\.\.=18446744073709551615, got -1"),
+        ({"seed": 2**64}, r"seed must be in 0\.\.=18446744073709551615, got 18446744073709551616"),
+        ({"k": 2**64}, r"k must be in 0\.\.=4096, got 18446744073709551616"),
+        ({"k": -(2**70)}, r"k must be in 0\.\.=4096, got -1180591620717411303424"),
+        ({"block_size": 2**100}, r"block_size must be in 1\.\.=65536"),
+        ({"bit_width": 256}, r"bit_width must be in 1\.\.=8, got 256"),
+        ({"target_rank": -1}, r"target_rank must be in 0\.\.=4096, got -1"),
+        ({"kmeans_iters": 2**40}, r"kmeans_iters must be in 0\.\.=65536"),
+    ],
+)
+def test_out_of_range_ints_are_value_errors_naming_field_and_range(kwargs, match):
+    """Beyond what the field's type holds is no OverflowError: a ValueError with the range."""
+    with pytest.raises(ValueError, match=match) as e:
+        kt.CodecParams(**kwargs)
+    assert not isinstance(e.value, OverflowError)
+    with pytest.raises(ValueError, match=match):
+        kt.CodecParams().replace(**kwargs)
+
+
+@pytest.mark.parametrize("name", INT_FIELDS.split())
+def test_bools_are_not_ints(name):
+    with pytest.raises(TypeError, match=f"{name} must be an int, not bool"):
+        kt.CodecParams(**{name: True})
+    with pytest.raises(TypeError, match=f"{name} must be an int, got float"):
+        kt.CodecParams(**{name: 1.0})
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS.split())
+def test_bools_are_not_floats(name):
+    with pytest.raises(TypeError, match=f"{name} must be a float, not bool"):
+        kt.CodecParams(**{name: True})
+    with pytest.raises(TypeError, match=f"{name} must be a float, got str"):
+        kt.CodecParams(**{name: "1"})
+
+
+def test_int_like_values_are_still_accepted():
+    p = kt.CodecParams(seed=np.uint64(2**64 - 1), k=np.int32(4), bits_per_value=1, block_size=64)
+    assert (p.seed, p.k, p.bits_per_value, p.block_size) == (2**64 - 1, 4, 1.0, 64)
+
+
+def test_batch_non_finite_names_the_stream_and_position():
+    x = np.random.default_rng(4).standard_normal((3, 40, 16)).astype(np.float32)
+    x[2, 7, 3] = np.nan
+    with pytest.raises(ValueError, match=r"stream 2: .*non-finite.* at token 7, dim 3"):
+        kt.encode_batch(x)
+    x[2, 7, 3] = 1e9
+    with pytest.raises(ValueError, match=r"stream 2: .* at token 7, dim 3 exceeds"):
+        kt.encode_batch(x)
 
 
 def test_too_large_magnitude_is_a_clear_error():
@@ -144,15 +202,53 @@ def test_random_garbage_and_wrong_types():
         kt.EncodedLayer.from_bytes("not bytes")
 
 
-def test_checksum_and_version_errors(blob):
+def test_checksum_and_version_errors_carry_their_fields(blob):
     b = bytearray(blob)
     b[-1] ^= 0xFF
-    with pytest.raises(kt.ChecksumError):
+    with pytest.raises(kt.ChecksumError) as e:
         kt.EncodedLayer.from_bytes(bytes(b))
+    stored = struct.unpack("<I", bytes(b[-4:]))[0]
+    assert e.value.stored == stored
+    assert e.value.computed == zlib.crc32(bytes(b[:-4])) != stored
+    assert f"{stored:#010x}" in str(e.value)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is kt.ChecksumError and again.stored == stored
+
     b = bytearray(blob)
     b[4:6] = struct.pack("<H", 2)
-    with pytest.raises(kt.UnsupportedVersionError, match="version 2"):
+    with pytest.raises(kt.UnsupportedVersionError, match="version 2") as e:
         kt.EncodedLayer.from_bytes(bytes(b))
+    assert e.value.version == 2
+    assert e.value.supported == (kt.FORMAT_VERSION,)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (again.version, again.supported) == (2, (kt.FORMAT_VERSION,))
+
+
+def test_every_project_exception_derives_from_the_base():
+    from kakeyaturbo.calibration import CalibrationError
+    from kakeyaturbo.vllm.engine import EagerModeError
+
+    for exc in (kt.FormatError, kt.ChecksumError, kt.UnsupportedVersionError):
+        assert issubclass(exc, kt.KakeyaTurboError)
     assert issubclass(kt.UnsupportedVersionError, kt.FormatError)
     assert issubclass(kt.ChecksumError, kt.FormatError)
-    assert issubclass(kt.FormatError, kt.KakeyaTurboError)
+    # The Python-side errors keep their builtin bases, so existing handlers still work.
+    assert issubclass(CalibrationError, kt.KakeyaTurboError)
+    assert issubclass(CalibrationError, ValueError)
+    assert issubclass(EagerModeError, kt.KakeyaTurboError)
+    assert issubclass(EagerModeError, RuntimeError)
+
+
+def test_decode_batch_caps_the_total_decoded_size():
+    """Each layer may decode to DECODE_FLOOR (64 MiB) whatever its size; a batch of many
+    small layers, each valid on its own, may not add up to more than one layer could."""
+    p = kt.CodecParams(
+        allocation="waterfill", k=0, pca_method="none", block_size=8192, bits_per_value=0.25
+    )
+    # Constant rows: every component has zero variance, so no code bits at all.
+    enc = kt.encode_layer(np.zeros((8192, 64), np.float32), p)
+    assert enc.nbytes < 1000  # 2 MiB of output from a few hundred bytes
+    one = kt.EncodedLayer.from_bytes(enc.to_bytes())
+    assert kt.decode_batch([one, one]).shape == (2, 8192, 64)
+    with pytest.raises(kt.FormatError, match=r"encs: .*64 layers would decode to .* decode limit"):
+        kt.decode_batch([one] * 64)

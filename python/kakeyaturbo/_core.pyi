@@ -7,9 +7,9 @@ import numpy.typing as npt
 
 __all__ = [
     "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
-    "KakeyaTurboError", "UnsupportedVersionError", "decode_batch", "decode_layer",
-    "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook", "stage_errors",
-    "wht_rotate",
+    "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "decode_batch",
+    "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
+    "stage_errors", "wht_rotate",
 ]
 
 __version__: str
@@ -17,8 +17,14 @@ FORMAT_VERSION: int
 
 class KakeyaTurboError(Exception): ...
 class FormatError(KakeyaTurboError): ...
-class ChecksumError(FormatError): ...
-class UnsupportedVersionError(FormatError): ...
+
+class ChecksumError(FormatError):
+    stored: int
+    computed: int
+
+class UnsupportedVersionError(FormatError):
+    version: int
+    supported: tuple[int, ...]
 
 @final
 class CodecParams:
@@ -119,6 +125,7 @@ class Basis:
     def __reduce__(self) -> tuple[Any, tuple[npt.NDArray[np.float32]]]: ...
 
 def _params_from_dict(d: dict[str, Any]) -> CodecParams: ...
+def codec_params_defaults() -> dict[str, Any]: ...
 def encode_layer(
     x: npt.NDArray[Any],
     params: CodecParams,

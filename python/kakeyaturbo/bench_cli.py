@@ -12,51 +12,64 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from . import codec
+from . import _core, codec
 from ._core import CodecParams
 from .capture import load_tensor
 
-_PARAM_FLAGS = {
-    # name: (type, help)
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+# One flag per CodecParams field, in the core's order; the defaults are the core's
+# (`_core.codec_params_defaults()`), and tests/test_params_defaults.py checks that these
+# names are exactly its fields.
+_PARAM_FLAGS: dict[str, tuple[Any, str]] = {
+    # name: (type, help); bool is an on-switch
     "block_size": (int, "vectors per block"),
     "bit_width": (int, "bits per rotated residual coordinate (1, 2, 3, 4, 8)"),
-    "pca_method": (str, "exact | randomized"),
+    "pca_method": (str, "exact | randomized | none"),
     "target_rank": (int, "randomized PCA: components sought"),
     "oversample": (int, "randomized PCA: extra random directions"),
     "power_iters": (int, "randomized PCA: power iterations"),
     "variance_ratio": (float, "keep the fewest components holding this variance share"),
     "rank_cap": (int, "upper bound on kept components"),
+    "share_basis": (bool, "one PCA basis per layer, stored once"),
     "k": (int, "k-means skeleton centres (0: off)"),
     "kmeans_iters": (int, "k-means iterations"),
     "metric": (str, "mse | inner_product"),
     "outlier_threshold": (float, "scaled |value| stored exactly above this (inf: off)"),
     "skeleton_dtype": (str, "fp16 | bf16 | fp32"),
     "seed": (int, "seed for signs, k-means and randomized PCA"),
+    "centroids": (_floats, "2**bit_width calibrated Lloyd-Max levels: --centroids=-1.2,0.3"),
     "allocation": (str, "uniform | waterfill (bits per PCA component by reverse water-filling)"),
     "bits_per_value": (float, "waterfill budget in bits per stored value"),
 }
 
 
 def add_param_flags(p: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per CodecParams field (defaults come from CodecParams)."""
+    """One ``--flag`` per CodecParams field; a flag not given leaves the core's default."""
+    defaults = _core.codec_params_defaults()
     for name, (typ, help_) in _PARAM_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
-    p.add_argument(
-        "--share-basis",
-        dest="share_basis",
-        action="store_true",
-        default=None,
-        help="one PCA basis per layer, stored once",
-    )
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{help_} (default: {defaults[name]})"
+        if typ is bool:
+            p.add_argument(flag, dest=name, action="store_true", default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
 
 
 def params_from_args(args: argparse.Namespace) -> CodecParams:
-    kw = {
-        n: getattr(args, n) for n in [*_PARAM_FLAGS, "share_basis"] if getattr(args, n) is not None
-    }
+    kw = {n: getattr(args, n) for n in _PARAM_FLAGS if getattr(args, n) is not None}
     return CodecParams(**kw)
 
 

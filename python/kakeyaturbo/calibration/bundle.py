@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .._core import KakeyaTurboError
+
 BUNDLE_VERSION = 1
 _META = "calibration.json"
 _TENSORS = "tensors.safetensors"
@@ -27,7 +29,7 @@ TENSOR_NAMES = (
 )
 
 
-class CalibrationError(ValueError):
+class CalibrationError(KakeyaTurboError, ValueError):
     """A bundle is missing, malformed, of another version, or for another model."""
 
 

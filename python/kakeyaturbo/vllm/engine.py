@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from .._core import KakeyaTurboError
+
 __all__ = ["EagerModeError", "check_eager", "in_process_model"]
 
 
-class EagerModeError(RuntimeError):
+class EagerModeError(KakeyaTurboError, RuntimeError):
     """vLLM would compile or graph-capture the model, which would bake the hooks out."""
 
 

@@ -10,7 +10,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use rayon::prelude::*;
 
 use crate::arrays::ArrayIn;
-use crate::errors::{to_py, type_error};
+use crate::errors::{to_py, to_py_in, type_error};
 use crate::params::PyCodecParams;
 
 /// One encoded `[tokens, head_dim]` stream: exactly its wire bytes in memory.
@@ -250,11 +250,11 @@ pub fn encode_batch(
                 .into_par_iter()
                 .map(|i| {
                     let xi = &data[i * n * d..(i + 1) * n * d];
-                    core::encode_layer_with(xi, n, d, None, p, dtype, ext[i])
+                    core::encode_layer_with(xi, n, d, None, p, dtype, ext[i]).map_err(|e| (i, e))
                 })
                 .collect::<Result<Vec<_>, _>>()
         })
-        .map_err(to_py)?;
+        .map_err(|(i, e)| to_py_in(&format!("x: stream {i}"), e))?;
     Ok(layers
         .into_iter()
         .map(|inner| PyEncodedLayer { inner })
@@ -299,18 +299,23 @@ pub fn decode_batch<'py>(
     }
     let s = refs.len();
     let ext = bases_for(&bases, s)?;
+    // Each layer met the decode limit on its own; the batch must meet it in total before
+    // its output is allocated.
+    core::check_batch_decode(&refs).map_err(|e| to_py_in("encs", e))?;
     let out = py
-        .detach(|| -> Result<Vec<f32>, kakeyaturbo::Error> {
+        .detach(|| -> Result<Vec<f32>, (usize, kakeyaturbo::Error)> {
             let mut out = vec![0.0f32; s * n * d];
             out.par_chunks_mut(n * d)
                 .zip(refs.par_iter().zip(ext.par_iter()))
-                .try_for_each(|(chunk, (e, b))| {
-                    chunk.copy_from_slice(&core::decode_layer_with(e, *b)?);
+                .enumerate()
+                .try_for_each(|(i, (chunk, (e, b)))| {
+                    let y = core::decode_layer_with(e, *b).map_err(|err| (i, err))?;
+                    chunk.copy_from_slice(&y);
                     Ok(())
                 })?;
             Ok(out)
         })
-        .map_err(to_py)?;
+        .map_err(|(i, e)| to_py_in(&format!("encs[{i}]"), e))?;
     Ok(PyArray1::from_vec(py, out).reshape([s, n, d])?.into_any())
 }
 

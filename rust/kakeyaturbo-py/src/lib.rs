@@ -17,6 +17,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<codec::PyEncodedLayer>()?;
     m.add_class::<codec::PyBasis>()?;
     m.add_function(wrap_pyfunction!(params::_params_from_dict, m)?)?;
+    m.add_function(wrap_pyfunction!(params::codec_params_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(codec::decode_layer, m)?)?;
@@ -46,6 +47,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "FormatError",
             "KakeyaTurboError",
             "UnsupportedVersionError",
+            "codec_params_defaults",
             "decode_batch",
             "decode_layer",
             "encode_batch",

@@ -1,9 +1,16 @@
 //! `CodecParams`: an immutable, validated Python view of the core parameters.
+//!
+//! The core's `CodecParams::default()` is the one source of the defaults:
+//! `codec_params_defaults()` returns it as a dict, and `tests/test_params_defaults.py`
+//! checks the constructor's signature, `to_dict()`, the stub and the `bench` flags against
+//! it. The constructor builds the core struct whole and `to_dict` destructures it whole, so
+//! a core field missing from either does not compile.
 
+use kakeyaturbo::params::{int_bound_error, int_field_bounds};
 use kakeyaturbo::{Allocation, CodecParams, Metric, PcaMethod, SkeletonDtype};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyTuple};
 
 use crate::errors::to_py;
 
@@ -14,80 +21,121 @@ pub struct PyCodecParams {
     pub inner: CodecParams,
 }
 
-fn parse_pca(s: &str) -> PyResult<PcaMethod> {
-    match s {
-        "exact" => Ok(PcaMethod::Exact),
-        "randomized" => Ok(PcaMethod::Randomized),
-        "none" => Ok(PcaMethod::None),
-        _ => Err(PyValueError::new_err(format!(
-            "pca_method must be 'exact', 'randomized' or 'none', got {s:?}"
+/// The Python names of an enum's values: `name(v)` and `parse(s)` from one table (the
+/// first name of each value is canonical, the others are accepted aliases).
+macro_rules! py_names {
+    ($parse:ident, $name:ident, $ty:ident, $field:literal, $expected:literal,
+     { $($variant:ident => $canon:literal $(| $alias:literal)*),+ $(,)? }) => {
+        fn $parse(s: &str) -> PyResult<$ty> {
+            match s {
+                $($canon $(| $alias)* => Ok($ty::$variant),)+
+                _ => Err(PyValueError::new_err(format!(
+                    concat!($field, " must be ", $expected, ", got {:?}"),
+                    s
+                ))),
+            }
+        }
+
+        pub fn $name(v: $ty) -> &'static str {
+            match v {
+                $($ty::$variant => $canon,)+
+            }
+        }
+    };
+}
+
+py_names!(parse_pca, pca_name, PcaMethod, "pca_method", "'exact', 'randomized' or 'none'", {
+    Exact => "exact",
+    Randomized => "randomized",
+    None => "none",
+});
+py_names!(parse_metric, metric_name, Metric, "metric", "'mse' or 'inner_product'", {
+    Mse => "mse",
+    InnerProduct => "inner_product",
+});
+py_names!(parse_skeleton, skeleton_name, SkeletonDtype, "skeleton_dtype", "'fp16', 'bf16' or 'fp32'", {
+    F16 => "fp16" | "float16",
+    Bf16 => "bf16" | "bfloat16",
+    F32 => "fp32" | "float32",
+});
+py_names!(parse_allocation, allocation_name, Allocation, "allocation", "'uniform' or 'waterfill'", {
+    Uniform => "uniform",
+    Waterfill => "waterfill",
+});
+
+/// The Python type name of `obj`, for messages.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// An integer field: an int (not a bool) within the core's bounds for `name`. A value that
+/// fits no Rust integer is a ValueError naming the range, like any other out of range.
+fn int_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int, not bool"
+        )));
+    }
+    let (lo, hi) = int_field_bounds(name).expect("an integer field of CodecParams");
+    match obj.extract::<u64>() {
+        Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+        Ok(v) => Err(to_py(int_bound_error(name, lo, hi, v))),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+            Err(to_py(int_bound_error(name, lo, hi, obj.str()?)))
+        }
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{name} must be an int, got {}",
+            type_name(obj)
         ))),
     }
 }
 
-fn parse_metric(s: &str) -> PyResult<Metric> {
-    match s {
-        "mse" => Ok(Metric::Mse),
-        "inner_product" => Ok(Metric::InnerProduct),
-        _ => Err(PyValueError::new_err(format!(
-            "metric must be 'mse' or 'inner_product', got {s:?}"
-        ))),
+/// A float field: a real number (an int is fine, a bool is not).
+fn float_arg(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be a float, not bool"
+        )));
     }
+    obj.extract().map_err(|_| {
+        PyTypeError::new_err(format!("{name} must be a float, got {}", type_name(obj)))
+    })
 }
 
-fn parse_skeleton(s: &str) -> PyResult<SkeletonDtype> {
-    match s {
-        "fp16" | "float16" => Ok(SkeletonDtype::F16),
-        "bf16" | "bfloat16" => Ok(SkeletonDtype::Bf16),
-        "fp32" | "float32" => Ok(SkeletonDtype::F32),
-        _ => Err(PyValueError::new_err(format!(
-            "skeleton_dtype must be 'fp16', 'bf16' or 'fp32', got {s:?}"
-        ))),
-    }
+/// One extractor per numeric field, so that its errors can name it (`from_py_with` takes
+/// a function of the object alone, and PyO3 does not add the argument's name).
+macro_rules! numeric_args {
+    (int: $($int:ident),+; optional int: $($opt:ident),+; float: $($float:ident),+) => {
+        mod arg {
+            use super::*;
+            $(pub fn $int(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+                int_arg(stringify!($int), obj)
+            })+
+            $(pub fn $opt(obj: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+                if obj.is_none() {
+                    return Ok(None);
+                }
+                int_arg(stringify!($opt), obj).map(Some)
+            })+
+            $(pub fn $float(obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+                float_arg(stringify!($float), obj)
+            })+
+        }
+    };
 }
 
-fn parse_allocation(s: &str) -> PyResult<Allocation> {
-    match s {
-        "uniform" => Ok(Allocation::Uniform),
-        "waterfill" => Ok(Allocation::Waterfill),
-        _ => Err(PyValueError::new_err(format!(
-            "allocation must be 'uniform' or 'waterfill', got {s:?}"
-        ))),
-    }
-}
+numeric_args!(
+    int: block_size, bit_width, oversample, power_iters, k, kmeans_iters, seed;
+    optional int: target_rank, rank_cap;
+    float: variance_ratio, outlier_threshold, bits_per_value
+);
 
-pub fn allocation_name(a: Allocation) -> &'static str {
-    match a {
-        Allocation::Uniform => "uniform",
-        Allocation::Waterfill => "waterfill",
-    }
-}
-
-pub fn pca_name(m: PcaMethod) -> &'static str {
-    match m {
-        PcaMethod::Exact => "exact",
-        PcaMethod::Randomized => "randomized",
-        PcaMethod::None => "none",
-    }
-}
-
-pub fn metric_name(m: Metric) -> &'static str {
-    match m {
-        Metric::Mse => "mse",
-        Metric::InnerProduct => "inner_product",
-    }
-}
-
-pub fn skeleton_name(d: SkeletonDtype) -> &'static str {
-    match d {
-        SkeletonDtype::F16 => "fp16",
-        SkeletonDtype::Bf16 => "bf16",
-        SkeletonDtype::F32 => "fp32",
-    }
-}
-
-fn non_negative(name: &str, v: i64) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {v}")))
+/// Fields the core stores as 0 for "unset" and Python shows as None.
+fn unset_if_zero(v: usize) -> Option<usize> {
+    (v > 0).then_some(v)
 }
 
 #[pymethods]
@@ -99,42 +147,38 @@ impl PyCodecParams {
         seed=0, centroids=None, allocation="uniform", bits_per_value=2.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        block_size: i64,
-        bit_width: i64,
+        #[pyo3(from_py_with = arg::block_size)] block_size: u64,
+        #[pyo3(from_py_with = arg::bit_width)] bit_width: u64,
         pca_method: &str,
-        target_rank: Option<i64>,
-        oversample: i64,
-        power_iters: i64,
-        variance_ratio: f64,
-        rank_cap: Option<i64>,
+        #[pyo3(from_py_with = arg::target_rank)] target_rank: Option<u64>,
+        #[pyo3(from_py_with = arg::oversample)] oversample: u64,
+        #[pyo3(from_py_with = arg::power_iters)] power_iters: u64,
+        #[pyo3(from_py_with = arg::variance_ratio)] variance_ratio: f64,
+        #[pyo3(from_py_with = arg::rank_cap)] rank_cap: Option<u64>,
         share_basis: bool,
-        k: i64,
-        kmeans_iters: i64,
+        #[pyo3(from_py_with = arg::k)] k: u64,
+        #[pyo3(from_py_with = arg::kmeans_iters)] kmeans_iters: u64,
         metric: &str,
-        outlier_threshold: f64,
+        #[pyo3(from_py_with = arg::outlier_threshold)] outlier_threshold: f64,
         skeleton_dtype: &str,
-        seed: u64,
+        #[pyo3(from_py_with = arg::seed)] seed: u64,
         centroids: Option<Vec<f32>>,
         allocation: &str,
-        bits_per_value: f64,
+        #[pyo3(from_py_with = arg::bits_per_value)] bits_per_value: f64,
     ) -> PyResult<Self> {
-        let bit_width = u8::try_from(bit_width).map_err(|_| {
-            PyValueError::new_err(format!(
-                "bit_width must be 1, 2, 3, 4 or 8, got {bit_width}"
-            ))
-        })?;
+        // Every integer is within its field's bounds here, so the casts are exact.
         let inner = CodecParams {
-            block_size: non_negative("block_size", block_size)?,
-            bit_width,
+            block_size: block_size as usize,
+            bit_width: bit_width as u8,
             pca_method: parse_pca(pca_method)?,
-            target_rank: non_negative("target_rank", target_rank.unwrap_or(0))?,
-            oversample: non_negative("oversample", oversample)?,
-            power_iters: non_negative("power_iters", power_iters)?,
+            target_rank: target_rank.unwrap_or(0) as usize,
+            oversample: oversample as usize,
+            power_iters: power_iters as usize,
             variance_ratio: variance_ratio as f32,
-            rank_cap: non_negative("rank_cap", rank_cap.unwrap_or(0))?,
+            rank_cap: rank_cap.unwrap_or(0) as usize,
             share_basis,
-            k: non_negative("k", k)?,
-            kmeans_iters: non_negative("kmeans_iters", kmeans_iters)?,
+            k: k as usize,
+            kmeans_iters: kmeans_iters as usize,
             metric: parse_metric(metric)?,
             outlier_threshold: outlier_threshold as f32,
             skeleton_dtype: parse_skeleton(skeleton_dtype)?,
@@ -161,7 +205,7 @@ impl PyCodecParams {
     }
     #[getter]
     fn target_rank(&self) -> Option<usize> {
-        (self.inner.target_rank > 0).then_some(self.inner.target_rank)
+        unset_if_zero(self.inner.target_rank)
     }
     #[getter]
     fn oversample(&self) -> usize {
@@ -177,7 +221,7 @@ impl PyCodecParams {
     }
     #[getter]
     fn rank_cap(&self) -> Option<usize> {
-        (self.inner.rank_cap > 0).then_some(self.inner.rank_cap)
+        unset_if_zero(self.inner.rank_cap)
     }
     #[getter]
     fn share_basis(&self) -> bool {
@@ -220,31 +264,54 @@ impl PyCodecParams {
         self.inner.bits_per_value
     }
 
-    /// All fields as a dict that `CodecParams(**d)` accepts.
+    /// All fields as a dict that `CodecParams(**d)` accepts, in constructor order.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // Destructured without `..`: a field added to the core does not compile until it
+        // is added here.
+        let CodecParams {
+            block_size,
+            bit_width,
+            pca_method,
+            target_rank,
+            oversample,
+            power_iters,
+            variance_ratio,
+            rank_cap,
+            share_basis,
+            k,
+            kmeans_iters,
+            metric,
+            outlier_threshold,
+            skeleton_dtype,
+            seed,
+            centroids,
+            allocation,
+            bits_per_value,
+        } = &self.inner;
         let d = PyDict::new(py);
-        d.set_item("block_size", self.block_size())?;
-        d.set_item("bit_width", self.bit_width())?;
-        d.set_item("pca_method", self.pca_method())?;
-        d.set_item("target_rank", self.target_rank())?;
-        d.set_item("oversample", self.oversample())?;
-        d.set_item("power_iters", self.power_iters())?;
-        d.set_item("variance_ratio", self.variance_ratio() as f64)?;
-        d.set_item("rank_cap", self.rank_cap())?;
-        d.set_item("share_basis", self.share_basis())?;
-        d.set_item("k", self.k())?;
-        d.set_item("kmeans_iters", self.kmeans_iters())?;
-        d.set_item("metric", self.metric())?;
-        d.set_item("outlier_threshold", self.outlier_threshold() as f64)?;
-        d.set_item("skeleton_dtype", self.skeleton_dtype())?;
-        d.set_item("seed", self.seed())?;
-        d.set_item("centroids", self.centroids())?;
-        d.set_item("allocation", self.allocation())?;
-        d.set_item("bits_per_value", self.bits_per_value() as f64)?;
+        d.set_item("block_size", block_size)?;
+        d.set_item("bit_width", bit_width)?;
+        d.set_item("pca_method", pca_name(*pca_method))?;
+        d.set_item("target_rank", unset_if_zero(*target_rank))?;
+        d.set_item("oversample", oversample)?;
+        d.set_item("power_iters", power_iters)?;
+        d.set_item("variance_ratio", *variance_ratio as f64)?;
+        d.set_item("rank_cap", unset_if_zero(*rank_cap))?;
+        d.set_item("share_basis", share_basis)?;
+        d.set_item("k", k)?;
+        d.set_item("kmeans_iters", kmeans_iters)?;
+        d.set_item("metric", metric_name(*metric))?;
+        d.set_item("outlier_threshold", *outlier_threshold as f64)?;
+        d.set_item("skeleton_dtype", skeleton_name(*skeleton_dtype))?;
+        d.set_item("seed", seed)?;
+        d.set_item("centroids", centroids.clone())?;
+        d.set_item("allocation", allocation_name(*allocation))?;
+        d.set_item("bits_per_value", *bits_per_value as f64)?;
         Ok(d)
     }
 
-    /// A copy with some fields changed (validated like the constructor).
+    /// A copy with some fields changed (validated like the constructor; an unknown field
+    /// is a TypeError, as in the constructor).
     #[pyo3(signature = (**changes))]
     fn replace<'py>(
         slf: &Bound<'py, Self>,
@@ -255,8 +322,9 @@ impl PyCodecParams {
             for (k, v) in c.iter() {
                 let key: String = k.extract()?;
                 if !d.contains(&key)? {
-                    return Err(PyValueError::new_err(format!(
-                        "CodecParams has no field {key:?}"
+                    return Err(PyTypeError::new_err(format!(
+                        "CodecParams.replace() got an unexpected keyword argument {key:?}: \
+                         CodecParams has no field {key:?}"
                     )));
                 }
                 d.set_item(key, v)?;
@@ -294,4 +362,15 @@ pub fn _params_from_dict<'py>(
     d: &Bound<'py, PyDict>,
 ) -> PyResult<Bound<'py, PyAny>> {
     py.get_type::<PyCodecParams>().call((), Some(d))
+}
+
+/// The core's default parameters (`CodecParams::default()` in Rust) as a `to_dict()` dict:
+/// the one source of truth the constructor's defaults, the stub and the CLI are checked
+/// against.
+#[pyfunction]
+pub fn codec_params_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    PyCodecParams {
+        inner: CodecParams::default(),
+    }
+    .to_dict(py)
 }
