@@ -1,4 +1,4 @@
-"""The Rust codec against the independent numpy reference (``kakeyaturbo.reference``):
+"""The Rust codec against the independent numpy reference (``tests/numpy_reference.py``):
 same rate (byte for byte, up to the 6 bytes of each outlier), statistically the same
 distortion; plus the WHT rotation against an explicit Hadamard matrix and the Gaussian
 Lloyd-Max codebooks against Max's published optimum distortions. Synthetic data only."""
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kakeyaturbo as kt
+import numpy_reference as ref
 from kakeyaturbo import _core
-from kakeyaturbo import reference as ref
 
 N_TOKENS, HEAD_DIM = 1024, 64  # two blocks of 512
 
@@ -134,6 +134,26 @@ def test_scale_refit_metric(metric):
             np.testing.assert_allclose(gain, 1.0, atol=2e-3)  # f16 scale rounding
         else:
             assert abs(gain.mean() - (1 - 0.1175)) < 0.02, gain.mean()
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"allocation": "waterfill", "k": 0},
+        {"pca_method": "randomized"},
+    ],
+)
+def test_reference_refuses_what_it_does_not_implement(opts):
+    """The reference codes the uniform allocation with exact or no PCA; anything else is
+    refused, never silently coded another way (it would compare against the wrong thing)."""
+    p = kt.CodecParams(**opts)
+    x = kv_like(64, 16, seed=1)
+    with pytest.raises(NotImplementedError, match=next(iter(opts.values()))):
+        ref.encode_layer(x, p)
+    with pytest.raises(NotImplementedError):
+        ref.encode_block(x, p)
+    with pytest.raises(NotImplementedError):
+        ref.layer_nbytes(kt.encode_layer(x, p).stats, p, 16)
 
 
 def hadamard(n: int) -> np.ndarray:

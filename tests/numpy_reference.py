@@ -1,12 +1,14 @@
-"""A plain numpy re-implementation of the kakeyaturbo block pipeline.
+"""A plain numpy re-implementation of the kakeyaturbo block pipeline (uniform allocation).
 
-**This is a reference for testing and benchmarking, not a product path.** Nothing in the
-package calls it; it exists so that the Rust codec can be checked against an independent,
-readable implementation of the same algorithm (``tests/test_reference.py``) and so that
-``benches/codec_speed.py`` has a vectorised-numpy baseline to compare speeds against.
-Use :func:`kakeyaturbo.encode_layer` / :func:`kakeyaturbo.decode_layer` for real work.
+**This is a reference for testing and benchmarking, not a product path**, and it is not
+shipped in the package: it lives beside the tests so that the Rust codec can be checked
+against an independent, readable implementation of the same algorithm
+(``tests/test_reference.py``), and ``benches/codec_speed.py`` can use it as a
+vectorised-numpy baseline. Use :func:`kakeyaturbo.encode_layer` /
+:func:`kakeyaturbo.decode_layer` for real work.
 
-Per block of ``n`` vectors ``x_i`` of length ``D`` (see ``rust/kakeyaturbo/src/codec.rs``):
+Per block of ``n`` vectors ``x_i`` of length ``D`` (see ``rust/kakeyaturbo/src/pca.rs``,
+``kmeans.rs`` and ``uniform.rs``):
 
 1. Weighted exact PCA: ``mu = sum w_i x_i``, ``C = sum w_i (x_i - mu)(x_i - mu)^T``
    (``np.linalg.eigh``). ``d_eff`` is the fewest leading components holding
@@ -31,7 +33,9 @@ The random streams (WHT signs, k-means++ draws) use the same SplitMix64 generato
 stream ids as the Rust core, so the rotation is identical; everything else differs only by
 floating-point summation order, so distortion agrees statistically, not bit for bit.
 ``pca_method="none"`` (mean removal only; identity basis, ``d_eff = D``, no basis bytes) is
-supported; randomized PCA is not implemented here (``pca_method="randomized"`` raises).
+supported. Not implemented here, and refused with ``NotImplementedError`` rather than
+silently coded another way: randomized PCA (``pca_method="randomized"``) and transform
+coding by reverse water-filling (``allocation="waterfill"``).
 """
 
 from __future__ import annotations
@@ -41,8 +45,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ._core import CodecParams
-from .codec import gaussian_codebook
+from kakeyaturbo import CodecParams, gaussian_codebook
 
 __all__ = [
     "RefBlock",
@@ -180,6 +183,10 @@ def _check(p: CodecParams) -> None:
     if p.pca_method not in ("exact", "none"):
         raise NotImplementedError(
             f"the numpy reference implements pca_method 'exact' and 'none', not {p.pca_method!r}"
+        )
+    if p.allocation != "uniform":
+        raise NotImplementedError(
+            f"the numpy reference implements allocation 'uniform', not {p.allocation!r}"
         )
 
 
@@ -336,6 +343,7 @@ def block_nbytes(
 ) -> int:
     """Wire bytes of one block (``format/mod.rs``): header, [mean, basis], centres, packed
     labels, t, scales, packed codes of ``W = next_pow2(d_eff)`` per vector, outliers."""
+    _check(p)
     s = _skeleton_size(p.skeleton_dtype)
     size = BLOCK_HEADER_LEN
     if own_basis:
