@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     from transformers import DynamicCache, QuantizedCache
 
     import kakeyaturbo as kt
-    from kakeyaturbo.hf import KakeyaCache, default_kv_params
+    from kakeyaturbo.hf import KakeyaCache
     from kakeyaturbo.modeling import load_model
 
     if args.threads > 0:
@@ -179,11 +179,11 @@ def main(argv=None) -> None:
     if all_ids.shape[1] < need:
         raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
     backend, why = quantized_backend(model, all_ids)
-    k, v = default_kv_params()
+    recipe = KakeyaCache(model.config).recipe  # what kakeya_factory's caches code with
 
     threads = torch.get_num_threads()
     print(f"model {args.model.name}, torch threads {threads}, kakeyaturbo {kt.__version__}")
-    print(f"kakeya recipe: K {k.to_dict()}\n               V {v.to_dict()}")
+    print(f"kakeya recipe: K {recipe.k.to_dict()}\n               V {recipe.v.to_dict()}")
     qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
     print(f"quantized cache: {qdesc}")
 

@@ -145,12 +145,11 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
     assert (a == b).float().mean() >= 0.9
     rep = cache.memory_report()
     assert rep["compressed_bytes"] > 0 and rep["ratio_vs_bf16"] > 1.5
-    with pytest.raises(ValueError, match="calibration sets"):
-        KakeyaCache.from_model(
-            model,
-            calibration=path,
-            key_transform=KVTransforms(Calibration.load(path)).key_transform(),
-        )
+    # The bundle's frames are used: no frame is fitted or held per sequence.
+    assert cache._ctx.pipeline.calibration is cache.calibration
+    assert cache._ctx.pipeline.frame_bytes() == 0
+    with pytest.raises(ValueError, match="pre_rope=False contradicts"):
+        KakeyaCache.from_model(model, calibration=path, pre_rope=False)
 
 
 def test_calibrated_codebooks_fit_the_rotated_coordinates(bundle, real_kv):

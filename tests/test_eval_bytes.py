@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from kakeyaturbo.eval.bytes_report import capture_kv, measure, project
-from kakeyaturbo.eval.harness import Rope
 from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import kv_geometry, load_model, read_text, tokenize_text
 
 MEASURED = 1536
@@ -30,7 +30,7 @@ def _total(rows):
     "spec",
     [
         "kivi:bits=2",
-        "kivi:bits=3,sink=4,window=20",
+        "kivi:bits=3,sink_tokens=4,residual_length=20",
         "turboquant:bits=3,k_qjl=1",
         "fp8",
         "hf-fp8",
@@ -51,7 +51,7 @@ def test_kakeya_projection_is_close(captured):
     pytest.importorskip("kakeyaturbo")
     model, kv, geom = captured
     m = build_method("kakeya")
-    rope = Rope(model) if m.options.pre_rope else None
+    rope = ModelRope(model.config) if m.options.pre_rope else None
     proj = project(m, kv, geom, model.config, fit_max=1024, targets=[], rope=rope)
     measured = _total(measure(m, kv, geom, model.config, MEASURED, rope))
     predicted = proj["predict"](MEASURED)["stored_bytes"]

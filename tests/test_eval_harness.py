@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kakeyaturbo.eval.harness import evaluate_method, prepare_reference
+from kakeyaturbo.eval.baselines import bf16_round
+from kakeyaturbo.eval.harness import compress_stream, evaluate_method, prepare_reference
 from kakeyaturbo.eval.methods import build_method
 from kakeyaturbo.modeling import cut_passages, kv_geometry, load_model, read_text, tokenize_text
 
@@ -99,8 +100,8 @@ def test_sinks_window_and_skipped_layers_are_counted_in_bf16(setup):
     per_layer_bf16 = 2 * heads * CTX * dim * 2
     per_layer_kivi = base // layers
     assert r["stored_bytes"] == base - per_layer_kivi + per_layer_bf16
-    # sink 4 + window 28 leave 64 tokens: 2 key groups of 32, values per token
-    r = run(setup, "kivi:bits=2,sink=4,window=28")
+    # 4 sinks + a residual window of 28 leave 64 tokens: 2 key groups of 32, values per token
+    r = run(setup, "kivi:bits=2,sink_tokens=4,residual_length=28")
     mid = heads * 64 * dim
     kivi = 2 * mid * 2 // 8 + heads * dim * 2 * 4 + heads * 64 * 2 * 4
     assert r["stored_bytes"] == layers * (kivi + 2 * heads * 32 * dim * 2)
@@ -146,45 +147,79 @@ def test_identity_through_pre_rope_is_exact_to_rounding(setup):
 
 
 def test_rope_inverse_gives_the_pre_rope_keys(setup, real_kv):
-    from kakeyaturbo.eval.harness import Rope
+    from kakeyaturbo.hf.rope import ModelRope
 
-    rope = Rope(setup[0])
+    rope = ModelRope(setup[0].config)
     for layer in (0, 5):
-        k = real_kv[f"layer{layer}.k"][None]
-        want = real_kv[f"layer{layer}.k_pre_rope"][None]
-        got = rope.unrotate(torch.as_tensor(k), 0)
-        assert torch.allclose(got, torch.as_tensor(want), atol=1e-4, rtol=1e-4)
-        assert torch.allclose(rope.rotate(got, 0), torch.as_tensor(k), atol=1e-4, rtol=1e-4)
+        k = torch.as_tensor(real_kv[f"layer{layer}.k"][None])
+        want = torch.as_tensor(real_kv[f"layer{layer}.k_pre_rope"][None])
+        got = rope.unrotate(k, layer, 0)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(rope.rotate(got, layer, 0), k, atol=1e-4, rtol=1e-4)
+        # A span starting at position 100 is the same tokens' slice.
+        tail = rope.unrotate(k[:, :, 100:], layer, 100)
+        assert torch.allclose(tail, want[:, :, 100:], atol=1e-4, rtol=1e-4)
 
 
 def test_kakeya_bytes_are_the_encoded_sizes(setup):
-    kt = pytest.importorskip("kakeyaturbo")
-    if not hasattr(kt, "encode_batch"):
-        pytest.skip("codec not built")
-    from kakeyaturbo.eval.kakeya import default_recipe
+    from kakeyaturbo.pipeline import Pipeline
 
     _, ref = setup
-    spec = "kakeya:bit_width=4,bits_per_value=4,block_size=64,sink=0,pre_rope=false"
+    layers, heads, dim = geometry(setup)
+    spec = "kakeya:bits_per_value=4,block_size=64,sink_tokens=0,pre_rope=false"
+    method = build_method(spec)
     r = run(setup, spec)
     assert r["verdict"] in ("ACCEPT", "MARGINAL")
     assert r["params"]["k"]["block_size"] == 64 and r["params"]["v"]["bits_per_value"] == 4
-    # recount one passage from the codec's own serialisation of each (layer, stream, head)
-    kv, _, _ = default_recipe()
-    pk = kv.k.replace(bit_width=4, bits_per_value=4, block_size=64)
-    pv = kv.v.replace(bit_width=4, bits_per_value=4, block_size=64)
+    # Recount one passage: the codec's own serialisation of each (block, head), the float16
+    # token norms, and the float16 frame fitted per (layer, stream) for this passage.
+    pipe = Pipeline(method.recipe)
     total = 0
-    for layer in ref.batches[0].cache.layers:
-        for x, prm in ((layer.keys[0], pk), (layer.values[0], pv)):
-            total += sum(len(e.to_bytes()) for e in kt.encode_batch(x.contiguous(), prm))
-    assert r["passages"][0]["stored_bytes"] == total
+    for li, layer in enumerate(ref.batches[0].cache.layers):
+        for x, stream in ((layer.keys[:1], "k"), (layer.values[:1], "v")):
+            blocks = pipe.encode(x.float(), li, stream)
+            assert [b.tokens for b in blocks] == [64, CTX - 64]
+            total += sum(len(e.to_bytes()) for b in blocks for e in b.encs)
+            if method.recipe.token_norms(stream):
+                total += heads * CTX * 2
+    frames = layers * 2 * heads * dim * dim * 2
+    assert pipe.frame_bytes() == frames
+    assert r["passages"][0]["stored_bytes"] == total + frames
+    assert set(r["bytes_breakdown"]) == {"encoded", "norms", "frames"}
+    assert r["bytes_breakdown"]["frames"] == frames
+
+
+def test_kakeya_holds_sinks_exact_and_counts_them(setup):
+    from kakeyaturbo.hf.rope import ModelRope
+
+    model, ref = setup
+    _, heads, dim = geometry(setup)
+    method = build_method("kakeya:block_size=64,residual_length=8")
+    assert method.options.sink_tokens == method.recipe.sink_tokens == 4
+    rope = ModelRope(model.config)
+    x = ref.batches[0].cache.layers[2].keys
+    y, rows = compress_stream(method, x, 2, "k", rope)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    # Sinks and the recent window come back as bf16 passthrough; the rest is coded.
+    assert torch.equal(y[:, :, :4], bf16_round(x[:, :, :4]))
+    assert torch.equal(y[:, :, -8:], bf16_round(x[:, :, -8:]))
+    assert not torch.equal(y[:, :, 4:-8], x[:, :, 4:-8])
+    rel = (y[:, :, 4:-8] - x[:, :, 4:-8]).norm() / x[:, :, 4:-8].norm()
+    assert 0 < rel < 0.5, rel
+    for row in rows:
+        assert row["full_precision"] == heads * (4 + 8) * dim * 2
+        assert row["encoded"] > 0 and row["frames"] == heads * dim * dim * 2
 
 
 def test_bare_kakeya_is_the_project_recipe(setup):
-    pytest.importorskip("kakeyaturbo.recipes")
-    from kakeyaturbo.recipes import default_kv_params
+    from kakeyaturbo.recipes import default_recipe
 
-    kv, opts = default_kv_params()
+    recipe = default_recipe()
+    method = build_method("kakeya")
+    assert method.recipe == recipe
     r = run(setup, "kakeya")
-    assert r["params"]["k"] == kv.k.to_dict() and r["params"]["v"] == kv.v.to_dict()
-    assert r["options"]["sink"] == opts.get("sink", 0)
+    assert r["params"]["k"] == recipe.k.to_dict() and r["params"]["v"] == recipe.v.to_dict()
+    assert r["params"]["v_token_norms"] == recipe.v_token_norms
+    assert r["options"]["sink_tokens"] == recipe.sink_tokens
+    assert r["options"]["pre_rope"] == recipe.pre_rope
     assert r["verdict"] in ("ACCEPT", "MARGINAL", "REJECT") and r["ratio"] > 1

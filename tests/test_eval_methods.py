@@ -46,9 +46,9 @@ def test_kivi_per_stream_bits():
 
 
 def test_options_from_spec():
-    m = build_method("kivi:bits=2,sink=4,window=16,skip_layers=0+5,streams=v")
+    m = build_method("kivi:bits=2,sink_tokens=4,residual_length=16,skip_layers=0+5,streams=v")
     o = m.options
-    assert (o.sink, o.window, o.skip_layers, o.streams) == (4, 16, (0, 5), "v")
+    assert (o.sink_tokens, o.residual_length, o.skip_layers, o.streams) == (4, 16, (0, 5), "v")
     assert not o.compresses(0, "v") and not o.compresses(3, "k") and o.compresses(3, "v")
     m = build_method("kivi:layers=1-3", {"streams": "k"})
     assert m.options.layers == (1, 2, 3) and m.options.streams == "k"

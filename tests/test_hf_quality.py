@@ -77,7 +77,11 @@ def reference(model, passage):
 
 def test_teacher_forced_agreement_near_lossless(model, passage, reference):
     k, v = near_lossless()
-    cache = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=64)
+    # Post-RoPE keys (the default codes them pre-RoPE: test_teacher_forced_pre_rope_...).
+    cache = KakeyaCache.from_model(
+        model, k_params=k, v_params=v, residual_length=64, pre_rope=False
+    )
+    assert not cache.pre_rope and cache.layers[0]._rope is None
     got = teacher_force(model, passage, cache)
     top1, dlp = agreement(reference, got, passage)
     print(f"\nnear-lossless: top-1 agreement {top1:.4f}, mean |delta log-prob| {dlp:.5f}")

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import kakeyaturbo as kt
 from kakeyaturbo._arrays import from_core, to_core
+from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.vllm import KVCoder, VLLMHookConfig, plan_forward, runs_from_positions
 from kakeyaturbo.vllm.coder import runs_from_query_starts
 from kakeyaturbo.vllm.transfer import TransferStats, to_device
@@ -26,10 +27,15 @@ def test_plan_keeps_sinks_and_short_runs_exact():
     cfg = VLLMHookConfig(sink_tokens=4, min_tokens=16)
     pos = [*range(100), *range(10), 57, *range(2, 40), *range(300, 316)]
     plan = plan_forward(torch.tensor(pos), cfg)
-    # run 1: sinks 0..3 dropped; run 2: 10 tokens < 16; decode step; run 4: positions 2, 3 are
-    # sinks; run 5: a later chunk of a long prompt (no sinks), exactly min_tokens long.
-    assert plan.coded == ((4, 100), (113, 149), (149, 165))
-    assert plan.num_tokens == len(pos) and plan.coded_tokens == 96 + 36 + 16
+    # run 1: coded with its sinks 0..3 held exact; run 2: 10 tokens < 16; decode step; run 4:
+    # positions 2, 3 are sinks; run 5: a later chunk of a long prompt (no sinks), exactly
+    # min_tokens long.
+    assert plan.coded == ((0, 100), (111, 149), (149, 165))
+    assert plan.sinks == (4, 2, 0)
+    assert plan.num_tokens == len(pos) and plan.coded_tokens == 100 + 38 + 16
+    # A run is coded only if it has min_tokens rows past its sinks.
+    short = plan_forward(torch.tensor([*range(19), *range(2, 20)]), cfg)
+    assert short.coded == ((19, 37),) and short.sinks == (2,)
     with pytest.raises(ValueError, match="outside"):
         plan_forward(np.arange(10), cfg, runs=[(0, 11)])
 
@@ -45,22 +51,30 @@ def _vllm_rows(real_kv, layer, stream):
 
 
 @pytest.mark.parametrize("stream", ["k", "v"])
-def test_roundtrip_codes_each_sequence_like_the_codec(real_kv, stream):
+def test_roundtrip_codes_each_sequence_like_the_pipeline(real_kv, stream):
     cfg = VLLMHookConfig()
     coder = KVCoder(cfg)
     rows, positions = _vllm_rows(real_kv, 3, stream)
     plan = plan_forward(positions, cfg)
+    assert plan.coded == ((0, 600), (600, 1000)) and plan.sinks == (4, 4)
     out = coder.roundtrip(rows, 3, stream, plan, head_dim=64)
     assert out.shape == rows.shape and out.dtype == rows.dtype
     assert torch.equal(out[:4], rows[:4]) and torch.equal(out[600:604], rows[600:604])
-    params = cfg.codec_params[stream]
+    # Each sequence is an independent stream through the shared pipeline (its own frames) and
+    # gives exactly what the evaluation's `kakeya` method gives for that prefix.
+    method = build_method("kakeya")
     nbytes = 0
     for s, e in plan.coded:
-        x = rows[s:e].view(e - s, 2, 64).permute(1, 0, 2).contiguous().numpy()
-        encs = kt.encode_batch(x, params)
-        nbytes += sum(enc.nbytes for enc in encs)
-        want = torch.from_numpy(kt.decode_batch(encs)).permute(1, 0, 2).reshape(e - s, -1)
-        assert torch.equal(out[s:e], want)
+        x = rows[s:e].view(e - s, 2, 64).permute(1, 0, 2)[None].contiguous()
+        pipe = Pipeline(cfg.recipe(), None)
+        sinks = torch.zeros((1, e - s), dtype=torch.bool)
+        sinks[:, :4] = True
+        want, blocks = pipe.roundtrip(x, 3, stream, sinks=sinks)
+        nbytes += sum(b.nbytes for b in blocks) + pipe.frame_bytes()
+        got = out[s:e].view(e - s, 2, 64).permute(1, 0, 2)[None]
+        assert torch.equal(got, want)
+        ev, _ = method.compress(x, 3, stream)
+        assert torch.equal(got, ev)
     rel = (out - rows).norm() / rows.norm()
     assert 0 < rel < 0.5
     count = coder.stats.as_dict()

@@ -7,28 +7,50 @@ import json
 
 import pytest
 
-from kakeyaturbo.recipes import calibrated_recipe, self_calibrated_recipe
+from kakeyaturbo.recipes import Recipe, default_recipe
 from kakeyaturbo.vllm import CONFIG_ENV, VLLMHookConfig, config_from_env, layer_index
 
 
 def test_defaults_are_the_recipes():
     cfg = VLLMHookConfig()
     assert (cfg.mode, cfg.hook, cfg.streams, cfg.sink_tokens) == ("snapshot", "pre-rope", "kv", 4)
-    assert cfg.codec_params["k"] == self_calibrated_recipe().k
-    assert cfg.codec_params["v"] == self_calibrated_recipe().v
+    assert cfg.codec_params["k"] == default_recipe().k
+    assert cfg.codec_params["v"] == default_recipe().v
     calibrated = VLLMHookConfig(calibration="some/bundle")
-    assert calibrated.codec_params["k"] == calibrated_recipe().k
+    assert calibrated.codec_params["k"] == default_recipe(True).k
+    assert calibrated.codec_params["v"] == default_recipe(True).v
+
+
+class _Bundle:
+    """Stands in for a loaded Calibration: only its per-layer bit offsets are read."""
+
+    def layer_bit_offsets(self, stream):
+        return [0.5, -0.5] if stream == "k" else [-0.25, 0.25]
+
+
+def test_recipe_carries_the_config():
+    cfg = VLLMHookConfig(sink_tokens=2, k_params=default_recipe().k.replace(bits_per_value=2.0))
+    r = cfg.recipe()
+    assert isinstance(r, Recipe) and r == default_recipe().replace(
+        k=cfg.codec_params["k"], sink_tokens=2
+    )
+    assert r.k.bits_per_value == 2.0 and r.v == default_recipe().v
+    # With a loaded bundle the calibrated default's per-layer bits come along.
+    r = VLLMHookConfig(calibration="some/bundle").recipe(_Bundle())
+    assert r.k_layer_bits == (0.5, -0.5) and r.v_layer_bits == (-0.25, 0.25)
+    assert r.params(0, "k").bits_per_value == r.k.bits_per_value + 0.5
+    assert r.sink_tokens == 4
 
 
 def test_json_overrides_fields_of_the_recipe(tmp_path):
     text = json.dumps({
         "mode": "in-forward", "streams": "k", "skip_layers": [5, 0, 5],
-        "k_params": {"bits_per_value": 3.0}, "sink_tokens": 0, "stats_file": "s-{pid}.json",
+        "k_params": {"bits_per_value": 2.0}, "sink_tokens": 0, "stats_file": "s-{pid}.json",
     })
     cfg = VLLMHookConfig.from_json(text)
     assert cfg.mode == "in-forward" and cfg.skip_layers == (0, 5) and cfg.sink_tokens == 0
-    assert cfg.codec_params["k"] == self_calibrated_recipe().k.replace(bits_per_value=3.0)
-    assert cfg.codec_params["v"] == self_calibrated_recipe().v
+    assert cfg.codec_params["k"] == default_recipe().k.replace(bits_per_value=2.0)
+    assert cfg.codec_params["v"] == default_recipe().v
     assert cfg.codes(1, "k") and not cfg.codes(1, "v") and not cfg.codes(5, "k")
     path = tmp_path / "c.json"
     path.write_text(json.dumps(cfg.to_dict()))

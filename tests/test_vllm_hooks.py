@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kakeyaturbo as kt
+from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.vllm import VLLMHookConfig, install_hooks
 from vllm_layout import Engine, LlamaForCausalLM
 
@@ -70,6 +70,20 @@ def _hooked(vmodel, token_ids, config):
         hooks.remove()
 
 
+def _pipeline_roundtrip(rows: torch.Tensor, layer: int, stream: str, config=None):
+    """What the shared pipeline makes of one prompt's rows ([tokens, kv_heads, D] or
+    [tokens, kv_heads * D]) coded as one sequence with its 4 sinks held exact: (the
+    reconstruction as [tokens, kv_heads, D], bytes held: streams, norms and frames)."""
+    n = rows.shape[0]
+    x = rows.reshape(n, -1, 64).permute(1, 0, 2)[None].float().contiguous()
+    pipe = Pipeline((config or VLLMHookConfig()).recipe())
+    sinks = torch.zeros((1, n), dtype=torch.bool)
+    sinks[:, :4] = True
+    y, blocks = pipe.roundtrip(x, layer, stream, sinks=sinks)
+    nbytes = sum(b.nbytes for b in blocks) + pipe.frame_bytes()
+    return y[0].permute(1, 0, 2).to(rows.dtype), nbytes
+
+
 def _agreement(ref: torch.Tensor, alt: torch.Tensor) -> tuple[float, float]:
     """(top-1 agreement, mean KL(ref || alt)) over every decode position."""
     top1 = (ref.argmax(-1) == alt.argmax(-1)).float().mean().item()
@@ -128,30 +142,26 @@ def test_snapshot_prefill_attends_exactly_and_cache_holds_the_codec_output(
         assert torch.equal(k[:4], k_ref[:4]) and torch.equal(v[:4], v_ref[:4])  # sinks
         if layer == 0:  # decode-step K/V stay exact (deeper ones read the coded prompt)
             assert torch.equal(k[n:], k_ref[n:]) and torch.equal(v[n:], v_ref[n:])
-        # The prompt's values are the codec's round trip of the exact values, bit for bit.
-        params = VLLMHookConfig().codec_params
-        x = v_ref[4:n].permute(1, 0, 2).contiguous()
-        want = torch.from_numpy(kt.decode_batch(kt.encode_batch(x.numpy(), params["v"])))
-        assert torch.equal(v[4:n], want.permute(1, 0, 2))
+        # The prompt's values are the pipeline's round trip of the exact values, bit for bit
+        # (sinks included: the pipeline holds them exact).
+        want, _ = _pipeline_roundtrip(v_ref[:n], layer, "v")
+        assert torch.equal(v[:n], want)
         # Keys: the round trip of the exact pre-RoPE keys, rotated back.
-        k_pre = pre_rope[layer][4:n].view(n - 4, -1, 64).permute(1, 0, 2).contiguous()
-        dec = kt.decode_batch(kt.encode_batch(k_pre.numpy(), params["k"]))
-        k_dec = torch.from_numpy(dec).permute(1, 0, 2).reshape(n - 4, -1).contiguous()
-        k_want = rot(torch.arange(4, n), k_dec.clone(), k_dec)[1]
-        assert torch.allclose(k[4:n].reshape(n - 4, -1), k_want, atol=1e-5)
+        k_dec, _ = _pipeline_roundtrip(pre_rope[layer][:n], layer, "k")
+        k_dec = k_dec.reshape(n, -1).contiguous()
+        k_want = rot(torch.arange(n), k_dec.clone(), k_dec)[1]
+        assert torch.allclose(k[:n].reshape(n, -1), k_want, atol=1e-5)
         assert not torch.equal(k[4:n], k_ref[4:n])
 
 
 def test_snapshot_bytes_are_the_encoded_streams(exact, snapshot):
     _, _, _, stats = snapshot
     _, _, held_ref = exact
-    params = VLLMHookConfig().codec_params
     want = 0
     for layer in range(6):
         for seq, n in enumerate(PROMPTS):
             _, v_ref = held_ref[seq, layer]
-            x = v_ref[4:n].permute(1, 0, 2).contiguous().numpy()
-            want += sum(e.nbytes for e in kt.encode_batch(x, params["v"]))
+            want += _pipeline_roundtrip(v_ref[:n], layer, "v")[1]
     got = sum(r["encoded_bytes"] for r in stats["layers"] if r["stream"] == "v")
     assert got == want
     coded = sum(n - 4 for n in PROMPTS)
@@ -189,9 +199,9 @@ def test_post_rope_hook_codes_rotated_keys(vmodel, token_ids, exact):
     k_ref, v_ref = exact[2][1, 2]
     n = PROMPTS[1]
     assert torch.equal(v[:n], v_ref[:n])  # streams="k": the prompt's values untouched
-    x = k_ref[4 : PROMPTS[1]].permute(1, 0, 2).contiguous().numpy()
-    want = kt.decode_batch(kt.encode_batch(x, VLLMHookConfig().codec_params["k"]))
-    assert torch.equal(k[4 : PROMPTS[1]], torch.from_numpy(want).permute(1, 0, 2))
+    # Post-RoPE keys are coded as attention receives them: no unrotation.
+    want, _ = _pipeline_roundtrip(k_ref[:n], 2, "k")
+    assert torch.equal(k[:n], want)
     assert all(r["stream"] == "k" or r["coded_tokens"] == 0 for r in stats["layers"])
     top1, _ = _agreement(exact[1], dec)
     assert top1 >= 0.8
