@@ -6,7 +6,7 @@ head_dim 64 and 128, block 512, bit widths 2/3/4 (k=16, metric mse, other defaul
 * ``rust batch``  ``kt.encode_batch`` / ``kt.decode_batch`` on ``[streams, tokens, D]``
   (streams in parallel on all cores, GIL released);
 * ``rust 1x``     ``kt.encode_layer`` / ``kt.decode_layer`` on one ``[tokens, D]`` stream;
-* ``numpy ref``   ``kakeyaturbo.reference`` on one ``[tokens, D]`` stream (a testing and
+* ``numpy ref``   ``tests/numpy_reference.py`` on one ``[tokens, D]`` stream (a testing and
   benchmarking reference, not a product path), one BLAS thread unless
   ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` say otherwise;
 * ``memcpy``      ``np.copy`` of the whole ``[streams, tokens, D]`` array: the ceiling.
@@ -26,14 +26,18 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
-from kakeyaturbo import reference as ref  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import numpy_reference as ref  # noqa: E402
 
 HEAD_DIMS = (64, 128)
 BITS = (2, 3, 4)

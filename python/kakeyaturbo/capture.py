@@ -1,8 +1,9 @@
 """Capture real keys and values from a Hugging Face causal LM, pre- and post-RoPE.
 
 Post-RoPE keys and the values are read from the model's own ``DynamicCache`` after a
-forward pass; pre-RoPE keys from a forward hook on each attention module's ``k_proj``
-(before rotary embedding, which is where query-aware whitening applies).
+forward pass; pre-RoPE keys from a forward hook on the module whose output RoPE rotates
+(:func:`~kakeyaturbo.modeling.pre_rope_modules`: ``k_norm`` where the model has one, else
+``k_proj``), the same keys calibration fits its frames on.
 Tensors are saved per layer as ``[kv_heads, tokens, head_dim]`` float32.
 """
 
@@ -13,19 +14,9 @@ from typing import Optional
 
 import numpy as np
 
+from .modeling import load_model, pre_rope_modules
 
-def load_model(model_dir: str | Path):
-    """Loads a local Hugging Face model folder (float32, eval mode) and its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model_dir: {path} holds no config.json (a local HF model folder)")
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    return model, tok
+__all__ = ["capture_kv", "load_model", "load_tensor", "read_tokens", "save_tensors"]
 
 
 def read_tokens(tok, text_file: str | Path, n_tokens: int, offset_chars: int = 0) -> list[int]:
@@ -49,13 +40,11 @@ def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
     pre: dict[int, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        proj = getattr(layer.self_attn, "k_proj", None)
-        if proj is None:
-            continue
+        proj = pre_rope_modules(layer.self_attn)[1]
 
         def hook(_mod, _inp, out, i=i):
-            b, t, _ = out.shape
-            pre[i] = out.detach().view(b, t, n_kv, head_dim).transpose(1, 2)[0]
+            b, t = out.shape[:2]
+            pre[i] = out.detach().reshape(b, t, n_kv, head_dim).transpose(1, 2)[0]
 
         hooks.append(proj.register_forward_hook(hook))
     cache = DynamicCache(config=cfg)

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ._core import KakeyaTurboError
+
 
 @dataclass(frozen=True)
 class _Command:
@@ -46,7 +48,7 @@ _COMMANDS = {
 _PACKAGE_EXTRA = {"optimum": "peers", "hqq": "peers", "vllm": "vllm"}
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(KakeyaTurboError, ImportError):
     """A command needs a package that only one of the package's extras installs."""
 
 

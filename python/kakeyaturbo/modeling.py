@@ -30,6 +30,7 @@ __all__ = [
     "find_gguf",
     "kv_geometry",
     "load_model",
+    "pre_rope_modules",
     "read_text",
     "resolve_model_dir",
     "tokenize_text",
@@ -179,6 +180,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def pre_rope_modules(attn) -> tuple:
+    """The modules of an attention block whose outputs are its pre-RoPE queries, keys and
+    values: ``q_norm`` / ``k_norm`` where the model normalises them (Qwen3, Gemma 3), else the
+    projections. Capture and calibration hook these, so both see the keys RoPE rotates."""
+    q = getattr(attn, "q_norm", None) or attn.q_proj
+    k = getattr(attn, "k_norm", None) or attn.k_proj
+    return q, k, attn.v_proj
 
 
 def kv_geometry(config) -> KVGeometry:

@@ -8,8 +8,9 @@ One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go thro
                          values; nothing stored) or a PCA frame per (layer, head) fitted on the
                          first tokens coded and held once as float16 (counted)
     -> token norms       (recipe's choice per stream) each token is scaled to unit norm and
-                         its norm held as float16, so the codec's error is relative per token:
-                         small-norm tokens that draw much attention keep their precision
+                         its norm held as float16, so the codec's error is relative per token
+                         (small-norm tokens that draw much attention keep their precision) and
+                         each decoded token is given its exact norm back (no shrinkage)
     -> codec             one stream per (block, batch row, kv head): water-filling over the
                          frame's components at the layer's bits per value
     <- and back in reverse order on decode.
@@ -72,14 +73,14 @@ class CodedBlock:
 
 
 def _fit_frame(x: torch.Tensor) -> torch.Tensor:
-    """Per-head PCA frames ``[H, D, D]`` (columns by descending variance) of ``x`` [B, H, T, D],
-    rounded to float16 (as held) and returned as float32."""
+    """Per-head PCA frames ``[H, D, D]`` float16 (columns by descending variance) of ``x``
+    [B, H, T, D]: held as float16, used as float32."""
     b, h, t, d = x.shape
     xs = x.double().permute(1, 0, 2, 3).reshape(h, b * t, d)
     xs = xs - xs.mean(1, keepdim=True)
     cov = xs.transpose(1, 2) @ xs / max(b * t, 1)
     _, vecs = torch.linalg.eigh(cov)  # ascending
-    return vecs.flip(-1).half().float().contiguous()
+    return vecs.flip(-1).half().contiguous()
 
 
 class Pipeline:
@@ -122,8 +123,16 @@ class Pipeline:
     def frame_bytes(self, layer: Optional[int] = None) -> int:
         """Bytes of the self-fitted frames held (for ``layer``, or all layers)."""
         return sum(
-            f.numel() * _HALF for (li, _), f in self._frames.items() if layer in (None, li)
+            f.numel() * f.element_size()
+            for (li, _), f in self._frames.items()
+            if layer in (None, li)
         )
+
+    def forget(self, layer: int) -> None:
+        """Drop ``layer``'s self-fitted frames (its cache layer was reset: the next sequence
+        fits its own)."""
+        for stream in STREAMS:
+            self._frames.pop((layer, stream), None)
 
     # ---- the round trip --------------------------------------------------------------------
 
@@ -206,7 +215,10 @@ class Pipeline:
         y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         if self.recipe.token_norms(stream):
             norms = torch.cat([blk.norms for blk in blocks], dim=-1)  # type: ignore[misc]
-            y = y * norms.float()[..., None]
+            # Each token gets exactly its stored norm back: the quantiser's reconstruction
+            # shrinks towards the mean, and shrunken keys flatten every softmax (a systematic
+            # perplexity rise that a small MSE hides).
+            y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norms.float()[..., None]
         return self._from_frame(y, layer, stream, positions)
 
     def roundtrip(
@@ -235,7 +247,7 @@ class Pipeline:
         frame = self._frames.get((layer, stream))
         if frame is None:
             frame = self._frames[(layer, stream)] = _fit_frame(x)
-        return torch.einsum("bhtd,hde->bhte", x, frame)
+        return torch.einsum("bhtd,hde->bhte", x, frame.float())
 
     def _from_frame(self, y, layer, stream, positions):
         if self._transforms is not None:
@@ -244,7 +256,7 @@ class Pipeline:
             # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
             # encoder projected with the same matrix, so the round trip stays consistent.
             frame = self._frames[(layer, stream)]
-            x = torch.einsum("bhte,hde->bhtd", y, frame)
+            x = torch.einsum("bhte,hde->bhtd", y, frame.float())
         if positions is not None and stream == "k" and self.recipe.pre_rope:
             x = self._rope_for(layer).rotate(x, positions.cpu())
         return x

@@ -39,7 +39,7 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_BLOCK_SIZE = 512
 #: Bits per value (keys, values) without and with a calibration bundle.
 SELF_CALIBRATED_BITS = (3.0, 3.0)
-CALIBRATED_BITS = (3.0, 3.0)
+CALIBRATED_BITS = (2.75, 2.75)
 #: Per-layer offsets are clipped to keep every layer within [MIN_BITS, MAX_BITS].
 MIN_BITS, MAX_BITS = 0.25, 8.0
 

@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..modeling import pre_rope_modules
 from .bundle import Calibration, model_fingerprint
-
-
-def _pre_rope_modules(attn) -> tuple[Any, Any, Any]:
-    """Modules whose outputs are the pre-RoPE q, k and v (q_norm/k_norm where present)."""
-    q = getattr(attn, "q_norm", None) or attn.q_proj
-    k = getattr(attn, "k_norm", None) or attn.k_proj
-    return q, k, attn.v_proj
-
 
 _SAMPLE_STRIDE = 4  # every 4th token
 _SAMPLE_VECTORS = 8192  # per layer and stream
@@ -71,7 +64,7 @@ def collect_moments(
     current: dict[tuple[int, str], np.ndarray] = {}
     hooks = []
     for li, layer in enumerate(layers):
-        for name, mod in zip("qkv", _pre_rope_modules(layer.self_attn)):
+        for name, mod in zip("qkv", pre_rope_modules(layer.self_attn)):
 
             def hook(_m, _i, out, li=li, name=name):
                 current[(li, name)] = out.detach()[0].double().reshape(out.shape[1], -1, d).numpy()

@@ -5,8 +5,10 @@ With distortion ``D_i ~ s_i 2^(-2 b_i)`` per layer, the total ``sum_i D_i`` at a
 bit rate is smallest when every layer ends at the same ``s_i 2^(-2 b_i)``, i.e.
 ``b_i = B + 1/2 log2(s_i / geomean(s))`` (the same reverse water-filling as within a
 vector, one level up). The sensitivity ``s_i`` is the KL divergence to the uncompressed
-model when only layer ``i``'s stream is compressed at a low probe rate, measured on
-calibration text (never the evaluation text).
+model when only layer ``i``'s stream is compressed at a probe rate, measured on calibration
+text (never the evaluation text). Keys and values are allocated jointly: the offsets have mean
+zero over all ``2 x layers`` streams, so a model whose values are more sensitive than its keys
+gets more bits on values.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def layer_offsets(kl: list[float], max_offset: float = MAX_OFFSET) -> list[float
 
 
 def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
-         ctx: int = 960, n_eval: int = 64, probe_bits: float = 1.0,
+         ctx: int = 960, n_eval: int = 64, probe_bits: float = 2.0,
          progress: bool = True) -> dict:
     """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``."""
     from ..eval.harness import evaluate_method, prepare_reference
@@ -56,5 +58,13 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
         "probe_bits": probe_bits,
         "passages": passages,
         "kl": kl,
-        "offsets": {s: layer_offsets(v) for s, v in kl.items()},
+        "offsets": joint_offsets(kl),
     }
+
+
+def joint_offsets(kl: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Offsets over keys and values together (mean zero over all 2 x layers streams), so the
+    scan also decides how the bits split between keys and values."""
+    n = len(kl["k"])
+    off = layer_offsets(kl["k"] + kl["v"])
+    return {"k": off[:n], "v": off[n:]}

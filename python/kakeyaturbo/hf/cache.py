@@ -108,9 +108,10 @@ class KakeyaCache(Cache):
         )
         self.residual_length = _non_negative_int("residual_length", residual_length)
         self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
+        self._rope = ModelRope(config)
         self._ctx = CacheContext(
             budget=DecodedBudget(decoded_cache_bytes),
-            pipeline=Pipeline(self.recipe, self.calibration, ModelRope(config)),
+            pipeline=Pipeline(self.recipe, self.calibration, self._rope),
         )
         cfg = text_config(config)
         layers = [
@@ -138,7 +139,8 @@ class KakeyaCache(Cache):
 
     def _make_layer(self, spec: LayerSpec, cfg: PretrainedConfig):
         if spec.kind is LayerKind.COMPRESSED:
-            rope = rotary_spec_from_config(cfg, spec.layer_type) if self.pre_rope else None
+            # The pipeline's own table for this layer: the layer reports it as held.
+            rope = self._rope(spec.index) if self.pre_rope else None
             return KakeyaLayer(
                 spec.index, self.residual_length, self.sink_tokens, self._ctx, rope
             )

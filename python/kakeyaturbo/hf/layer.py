@@ -197,6 +197,7 @@ class KakeyaLayer(CacheLayerMixin):
         """Drop every token and release the decoded budget this layer held."""
         self._release_decoded()
         self._drop_buffer()
+        self._ctx.pipeline.forget(self.layer_idx)
         self._clear()
 
     def offload(self) -> None:  # KakeyaCache never enables offloading

@@ -119,20 +119,20 @@ def rotary_spec_from_config(
 
 class ModelRope:
     """Every layer's RoPE of a model (Gemma 3 style models have one per layer type):
-    ``rope(layer)`` -> :class:`RotarySpec`, built once per layer type."""
+    ``rope(layer)`` -> :class:`RotarySpec`, built once per layer."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         from .layer_plan import _layer_types, text_config
 
         self._config = text_config(config)
         self._types = _layer_types(self._config)
-        self._specs: dict[str, RotarySpec] = {}
+        self._specs: dict[int, RotarySpec] = {}
 
     def __call__(self, layer: int) -> RotarySpec:
-        kind = self._types[layer]
-        if kind not in self._specs:
-            self._specs[kind] = rotary_spec_from_config(self._config, kind)
-        return self._specs[kind]
+        # One table per layer, so a cache layer can hold (and count) its own.
+        if layer not in self._specs:
+            self._specs[layer] = rotary_spec_from_config(self._config, self._types[layer])
+        return self._specs[layer]
 
     def unrotate(self, x: torch.Tensor, layer: int, start: int) -> torch.Tensor:
         """Undo RoPE on ``x`` [B, H, T, D] whose token ``i`` sits at position ``start + i``."""
