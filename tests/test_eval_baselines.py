@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kakeyaturbo.eval.baselines import lloyd_max_sphere, minmax_quantize
-from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.eval.registry import build_method
 
 B, H, T, D = 2, 2, 100, 64  # T is not a multiple of KIVI's group on purpose
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kakeyaturbo.eval.bytes_report import capture_kv, measure, project
-from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import kv_geometry, load_model, read_text, tokenize_text
 

@@ -7,7 +7,7 @@ import torch
 
 from kakeyaturbo.eval.baselines import bf16_round
 from kakeyaturbo.eval.harness import compress_stream, evaluate_method, prepare_reference
-from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.modeling import cut_passages, kv_geometry, load_model, read_text, tokenize_text
 
 CTX, N_EVAL = 96, 16

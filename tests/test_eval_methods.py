@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from kakeyaturbo.eval.methods import METHODS, MethodOptions, build_method, parse_spec, stream_params
+from kakeyaturbo.eval.methods import METHODS, MethodOptions, parse_spec, stream_params
+from kakeyaturbo.eval.registry import build_method
 
 
 def test_parse_spec_types():

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import kakeyaturbo as kt
 from kakeyaturbo.eval.harness import compress_stream
-from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf import KakeyaCache
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text

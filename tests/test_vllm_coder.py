@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kakeyaturbo._arrays import from_core, to_core
-from kakeyaturbo.eval.methods import build_method
+from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.vllm import KVCoder, VLLMHookConfig, plan_forward, runs_from_positions
 from kakeyaturbo.vllm.coder import runs_from_query_starts

@@ -26,6 +26,7 @@ __all__ = [
     "KVGeometry",
     "Passage",
     "cache_dir",
+    "copy_passages",
     "cut_passages",
     "find_gguf",
     "kv_geometry",
@@ -228,3 +229,15 @@ def cut_passages(ids: torch.Tensor, n: int, length: int) -> list[Passage]:
     span = total - length
     starts = [0] if n == 1 else [round(i * span / (n - 1)) for i in range(n)]
     return [Passage(i, s, ids[s : s + length].clone()) for i, s in enumerate(starts)]
+
+
+def copy_passages(ids: torch.Tensor, n: int, length: int) -> list[Passage]:
+    """The copying test: `n` windows of `ceil(length / 2)` tokens, each written twice and cut to
+    `length`. A model that copies exactly predicts the second copy from the first, so any error
+    in the first copy's keys and values shows in the tokens scored there (the scored tokens of a
+    ctx + n_eval + 1 passage with n_eval <= ctx - 1 all lie in the second copy)."""
+    half = (length + 1) // 2
+    return [
+        Passage(p.index, p.start, torch.cat([p.ids, p.ids])[:length])
+        for p in cut_passages(ids, n, half)
+    ]

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     )
     out = calib.save(args.out)
     if args.sensitivity_passages > 0:
-        from .sensitivity import scan
+        from ..eval.sensitivity import scan
 
         calib.meta["sensitivity"] = scan(
             model, tok, out, args.text, passages=args.sensitivity_passages

@@ -4,19 +4,17 @@ compressed alone, then shift bits towards the sensitive ones under a fixed avera
 With distortion ``D_i ~ s_i 2^(-2 b_i)`` per layer, the total ``sum_i D_i`` at a fixed mean
 bit rate is smallest when every layer ends at the same ``s_i 2^(-2 b_i)``, i.e.
 ``b_i = B + 1/2 log2(s_i / geomean(s))`` (the same reverse water-filling as within a
-vector, one level up). The sensitivity ``s_i`` is the KL divergence to the uncompressed
-model when only layer ``i``'s stream is compressed at a probe rate, measured on calibration
-text (never the evaluation text). Keys and values are allocated jointly: the offsets have mean
-zero over all ``2 x layers`` streams, so a model whose values are more sensitive than its keys
-gets more bits on values.
+vector, one level up). The scan that measures it runs the evaluation and lives in
+:mod:`kakeyaturbo.eval.sensitivity`. The sensitivity ``s_i`` is the KL divergence to the
+uncompressed model when only layer ``i``'s stream is compressed at a probe rate, measured on
+calibration text (never the evaluation text). Keys and values are allocated jointly: the
+offsets have mean zero over all ``2 x layers`` streams, so a model whose values are more
+sensitive than its keys gets more bits on values.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-from tqdm.auto import tqdm
 
 #: Offsets are kept within this many bits of the mean.
 MAX_OFFSET = 1.5
@@ -33,33 +31,6 @@ def layer_offsets(kl: list[float], max_offset: float = MAX_OFFSET) -> list[float
             break
         off[free] -= off.sum() / free.sum()
     return [round(float(v), 4) for v in off]
-
-
-def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
-         ctx: int = 960, n_eval: int = 64, probe_bits: float = 2.0,
-         progress: bool = True) -> dict:
-    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``."""
-    from ..eval.harness import evaluate_method, prepare_reference
-    from ..eval.methods import build_method
-    from ..modeling import cut_passages, read_text, tokenize_text
-
-    ids = tokenize_text(tokenizer, read_text(text_file))
-    ps = cut_passages(ids, passages, ctx + n_eval + 1)
-    ref = prepare_reference(model, ps, ctx, n_eval)
-    n_layers = model.config.num_hidden_layers
-    kl: dict[str, list[float]] = {"k": [], "v": []}
-    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
-    for s, i in tqdm(jobs, desc="sensitivity", disable=not progress):
-        spec = (f"kakeya:calibration={bundle_dir},bits_per_value={probe_bits},layers={i},"
-                f"streams={s},passthrough=exact")
-        row = evaluate_method(model, ref, build_method(spec))
-        kl[s].append(float(row["kl"]))
-    return {
-        "probe_bits": probe_bits,
-        "passages": passages,
-        "kl": kl,
-        "offsets": joint_offsets(kl),
-    }
 
 
 def joint_offsets(kl: dict[str, list[float]]) -> dict[str, list[float]]:

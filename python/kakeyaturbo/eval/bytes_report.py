@@ -28,7 +28,8 @@ from transformers import DynamicCache
 
 from kakeyaturbo.eval.baselines import HFQuantizedCache
 from kakeyaturbo.eval.harness import compress_stream
-from kakeyaturbo.eval.methods import Method, build_method
+from kakeyaturbo.eval.methods import Method
+from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import KVGeometry, kv_geometry
 

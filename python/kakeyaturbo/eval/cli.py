@@ -54,6 +54,12 @@ def _add_data(p: argparse.ArgumentParser, passages: bool = True) -> None:
         p.add_argument(
             "--batch", type=int, default=16, help="passages per forward pass (default %(default)s)"
         )
+        p.add_argument(
+            "--copy",
+            action="store_true",
+            help="the copying test: each window written twice, scored on the second copy (a "
+            "model that copies exactly shows every KV error in the first)",
+        )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -61,7 +67,14 @@ def _setup(args):
     from kakeyaturbo.eval.ppl import load_setup
 
     return load_setup(
-        args.model, args.text, args.ctx, args.n_eval, args.passages, args.batch, _progress(args)
+        args.model,
+        args.text,
+        args.ctx,
+        args.n_eval,
+        args.passages,
+        args.batch,
+        _progress(args),
+        copy=getattr(args, "copy", False),
     )
 
 
@@ -265,14 +278,13 @@ def cmd_all(args) -> int:
 
 
 def cmd_methods(args) -> int:
-    from kakeyaturbo.eval.methods import METHOD_HELP, _ensure_builtin_methods
+    from kakeyaturbo.eval.registry import METHOD_HELP
 
-    _ensure_builtin_methods()
     for name in sorted(METHOD_HELP):
         print(f"{name:12s} {METHOD_HELP[name]}")
     print(
-        "\nshared options: sink=N window=N skip_layers=a+b layers=a+b streams=kv|k|v"
-        " passthrough=bf16|exact; a k_/v_ prefix applies a key to one stream"
+        "\nshared options: sink_tokens=N residual_length=N skip_layers=a+b layers=a+b"
+        " streams=kv|k|v passthrough=bf16|exact; a k_/v_ prefix applies a key to one stream"
     )
     return 0
 

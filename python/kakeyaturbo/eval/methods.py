@@ -26,7 +26,8 @@ measured alone.
 
 The registry is a plain dict, `METHODS[name] = factory`, where a factory takes the parsed
 parameters (with the shared keys removed) and returns a `Method`. Add a method with
-`register("name", "one-line help")` used as a decorator.
+`register("name", "one-line help")` used as a decorator; `kakeyaturbo.eval.registry` loads the
+built-in methods and builds methods from specs (this module imports none of them).
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ __all__ = [
     "METHODS",
     "Method",
     "MethodOptions",
-    "build_method",
     "parse_spec",
     "register",
     "stream_params",
@@ -246,27 +246,6 @@ def register(name: str, help: str) -> Callable[[MethodFactory], MethodFactory]:
         return factory
 
     return deco
-
-
-def _ensure_builtin_methods() -> None:
-    # Importing registers the built-in methods; kept lazy so this module has no heavy imports.
-    from kakeyaturbo.eval import baselines, kakeya  # noqa: F401
-
-
-def build_method(spec: str, extra_options: dict[str, Any] | None = None) -> Method:
-    """Parse `spec`, build the method, attach its options (method defaults < spec < extra)."""
-    _ensure_builtin_methods()
-    name, params = parse_spec(spec)
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
-    common = {k: params.pop(k) for k in COMMON_KEYS if k in params}
-    method = METHODS[name](params)
-    method.spec = spec.strip()
-    opts = MethodOptions.from_params(common, method.default_options)
-    if extra_options:
-        opts = MethodOptions.from_params(extra_options, opts)
-    method.options = opts
-    return method
 
 
 def nominal_bytes(numel: int, bits: float) -> int:

@@ -14,8 +14,15 @@ import torch
 from tqdm.auto import tqdm
 
 from kakeyaturbo.eval.harness import Reference, evaluate_method, prepare_reference
-from kakeyaturbo.eval.methods import build_method
-from kakeyaturbo.modeling import cut_passages, kv_geometry, load_model, read_text, tokenize_text
+from kakeyaturbo.eval.registry import build_method
+from kakeyaturbo.modeling import (
+    copy_passages,
+    cut_passages,
+    kv_geometry,
+    load_model,
+    read_text,
+    tokenize_text,
+)
 
 __all__ = ["Setup", "environment", "load_setup", "run_methods"]
 
@@ -30,6 +37,7 @@ class Setup:
     ctx: int
     n_eval: int
     reference: Reference
+    protocol: str = "passages"  # or "copy": each window written twice, scored on the copy
 
     def config(self) -> dict[str, Any]:
         g = kv_geometry(self.model.config)
@@ -38,6 +46,7 @@ class Setup:
             "text": self.text,
             "ctx": self.ctx,
             "n_eval": self.n_eval,
+            "protocol": self.protocol,
             "passages": len(self.reference.passages),
             "passage_starts": [p.start for p in self.reference.passages],
             "layers": g.num_layers,
@@ -75,16 +84,24 @@ def load_setup(
     passages: int,
     batch: int = 16,
     progress: bool = True,
+    copy: bool = False,
 ) -> Setup:
+    """Load the model, cut the passages (``copy``: the copying test, see
+    :func:`~kakeyaturbo.modeling.copy_passages`) and run the reference."""
     torch.manual_seed(0)
     model, tokenizer = load_model(model_dir)
     ids = tokenize_text(tokenizer, read_text(text))
-    chunks = cut_passages(ids, passages, ctx + n_eval + 1)
+    if copy and n_eval >= ctx:
+        raise ValueError("the copying test needs n_eval < ctx (scored tokens in the copy)")
+    cut = copy_passages if copy else cut_passages
+    chunks = cut(ids, passages, ctx + n_eval + 1)
     with tqdm(
         total=len(chunks), desc="reference", unit="passage", disable=not progress, file=sys.stderr
     ) as bar:
         ref = prepare_reference(model, chunks, ctx, n_eval, batch=batch, progress=bar)
-    return Setup(model, str(model_dir), str(text), ctx, n_eval, ref)
+    return Setup(
+        model, str(model_dir), str(text), ctx, n_eval, ref, "copy" if copy else "passages"
+    )
 
 
 def run_methods(

@@ -1,0 +1,41 @@
+"""The per-layer sensitivity scan behind a calibration bundle's per-layer bits: the KL of
+compressing one layer's keys (or values) alone, on calibration text; the offsets follow in
+:mod:`kakeyaturbo.calibration.sensitivity`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from kakeyaturbo.calibration.sensitivity import joint_offsets
+from kakeyaturbo.eval.harness import evaluate_method, prepare_reference
+from kakeyaturbo.eval.registry import build_method
+from kakeyaturbo.modeling import cut_passages, read_text, tokenize_text
+
+__all__ = ["scan"]
+
+
+def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
+         ctx: int = 960, n_eval: int = 64, probe_bits: float = 2.0,
+         progress: bool = True) -> dict:
+    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``."""
+    ids = tokenize_text(tokenizer, read_text(text_file))
+    ps = cut_passages(ids, passages, ctx + n_eval + 1)
+    ref = prepare_reference(model, ps, ctx, n_eval)
+    n_layers = model.config.num_hidden_layers
+    kl: dict[str, list[float]] = {"k": [], "v": []}
+    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
+    for s, i in tqdm(jobs, desc="sensitivity", disable=not progress):
+        spec = (
+            f"kakeya:calibration={bundle_dir},layer_bits=false,bits_per_value={probe_bits},"
+            f"layers={i},streams={s},passthrough=exact"
+        )
+        row = evaluate_method(model, ref, build_method(spec))
+        kl[s].append(float(row["kl"]))
+    return {
+        "probe_bits": probe_bits,
+        "passages": passages,
+        "kl": kl,
+        "offsets": joint_offsets(kl),
+    }
