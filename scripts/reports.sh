@@ -1,36 +1,53 @@
 #!/usr/bin/env bash
-# Regenerates everything in reports/: the calibration bundle (on the calibration text), the
-# Pareto sweep with every peer, per-layer diagnostics, byte projections, the guardrail
-# ablation, the in-forward run, and reports/README.md. About 10 minutes on 2 CPU cores.
+# Regenerates reports/ on SmolLM2-135M (the yardstick) and reports/kt-ref-a/ (the small second
+# model): a calibration bundle with its sensitivity scan (calibration text only), the Pareto
+# sweep against every peer with nothing exact but 4 sinks, the same sweep with the protocol the
+# product ships (4 sinks and the last 32 tokens exact for every method alike), in-forward
+# runs, the copying test, K/V attribution, and reports/README.md. About 45 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
-MODEL=${MODEL:-../shared/models/kt-ref-a}
+MODEL=${MODEL:-$(bash scripts/fetch_smollm2.sh)}
 EVAL=${EVAL:-../shared/data/wikitext-2-raw-test.txt}
 CALIB_TEXT=${CALIB_TEXT:-../shared/data/calibration-text.txt}
-C=artifacts/calib
+SMALL=${SMALL:-../shared/models/kt-ref-a}
+C=artifacts/calib-smollm2
 COMMON=(--model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 --no-progress)
+# kakeya points: the self-calibrated default, then the calibrated recipe at several rates.
+KAKEYA=(kakeya "kakeya:calibration=$C,bits_per_value=2" "kakeya:calibration=$C,bits_per_value=2.25"
+  "kakeya:calibration=$C" "kakeya:calibration=$C,bits_per_value=3.25"
+  "kakeya:calibration=$C,bits_per_value=4")
+PEERS=("kivi:bits={bits}" "turboquant:bits={bits}" fp8 "hf-quanto:bits={bits}"
+  "hf-hqq:bits={bits}")
+families() { for f in "${KAKEYA[@]}" "$@"; do printf -- '--family\n%s\n' "$f"; done; }
 
-kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$C" --tokens 100000
-kakeyaturbo eval all --model "$MODEL" --text "$EVAL" --out-dir reports --no-progress
-kakeyaturbo eval ppl "${COMMON[@]}" --out reports/ablation.json \
-  --method kakeya --method kakeya:pre_rope=false --method kakeya:sink=0 \
-  --method kakeya:allocation=uniform,bit_width=2 \
-  --method kakeya:calibration=$C \
-  --method kakeya:calibration=$C,k_bits_per_value=2.0,v_bits_per_value=1.5 \
-  --method kakeya:calibration=$C,k_bits_per_value=2.0,v_bits_per_value=1.5,whiten=false \
-  --method kakeya:calibration=$C,k_bits_per_value=2.0,v_bits_per_value=1.5,sink=0 \
-  --method kakeya:calibration=$C,k_bits_per_value=2.0,v_bits_per_value=1.5,layer_bits=true \
-  --method kakeya:calibration=$C,k_bits_per_value=1.5,v_bits_per_value=1.25 \
-  --method kakeya:calibration=$C,k_bits_per_value=1.5,v_bits_per_value=1.25,layer_bits=true
+kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$C" --tokens 30000
+mapfile -t FAM < <(families "${PEERS[@]}")
+kakeyaturbo eval sweep "${COMMON[@]}" "${FAM[@]}" --bits 2 3 4 --out reports/sweep.json \
+  --plot reports/pareto.png
+mapfile -t FAM < <(families "kivi:bits={bits}" "turboquant:bits={bits}" fp8)
+kakeyaturbo eval sweep "${COMMON[@]}" "${FAM[@]}" --bits 2 3 4 \
+  --options sink_tokens=4,residual_length=32 --out reports/sweep_window32.json \
+  --plot reports/pareto_window32.png
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/in_forward.json \
-  --method kakeya --method kakeya:calibration=$C --method turboquant:bits=3 --method kivi:bits=3
-# The same methods on 48 passages (most of them windows the 16-passage runs never saw).
-kakeyaturbo eval ppl --model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 48 \
-  --no-progress --out reports/generalisation.json --method kakeya \
-  --method kakeya:bits_per_value=1.5 --method kakeya:calibration=$C \
-  --method turboquant:bits=3 --method kivi:bits=3
-# The vLLM hooks end to end on the reference model in vLLM's layout (about a minute).
-python benches/vllm_hooks.py --calibration "$C" --out reports/vllm_hooks.json
+  --method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=3.25" \
+  --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=4 --method fp8
+kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/copy.json \
+  --method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=3.25" \
+  --method kivi:bits=4 --method turboquant:bits=4 --method fp8
+kakeyaturbo eval ppl "${COMMON[@]}" --out reports/attribution.json \
+  --method "kakeya:calibration=$C,streams=k" --method "kakeya:calibration=$C,streams=v" \
+  --method "kakeya:calibration=$C,layer_bits=false" --method "kakeya:calibration=$C,v_token_norms=false" \
+  --method "kakeya:calibration=$C,whiten=false"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
+
+# The small reference model: no regression there (its own bundle).
+CS=artifacts/calib-kt-ref-a
+mkdir -p reports/kt-ref-a
+kakeyaturbo calibrate --model "$SMALL" --text "$CALIB_TEXT" --out "$CS" --tokens 30000
+kakeyaturbo eval ppl --model "$SMALL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 \
+  --no-progress --out reports/kt-ref-a/ppl.json --method kakeya --method "kakeya:calibration=$CS" \
+  --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=3 --method fp8
+python benches/vllm_hooks.py --calibration "$CS" --out reports/kt-ref-a/vllm_hooks.json
+kakeyaturbo report --results reports/kt-ref-a --all-command "bash scripts/reports.sh"

@@ -51,7 +51,8 @@ def calib_text() -> Path:
 def real_kv(model_dir, eval_text):
     """K (post- and pre-RoPE) and V of every layer of kt-ref-a over 1,024 tokens of
     WikiText-2: ``{"layer{i}.k" | ".k_pre_rope" | ".v": [kv_heads, 1024, 64] float32}``."""
-    from kakeyaturbo.capture import capture_kv, load_model, read_tokens
+    from kakeyaturbo.capture import capture_kv, read_tokens
+    from kakeyaturbo.modeling import load_model
 
     model, tok = load_model(model_dir)
     ids = read_tokens(tok, eval_text, 1024, offset_chars=10_000)

@@ -16,7 +16,7 @@ from kakeyaturbo.calibration import Calibration, CalibrationError, KVTransforms,
 
 @pytest.fixture(scope="module")
 def model_and_tok(model_dir):
-    from kakeyaturbo.capture import load_model
+    from kakeyaturbo.modeling import load_model
 
     return load_model(model_dir)
 

@@ -114,7 +114,8 @@ def test_eager_check_reads_vllm_compilation_configs():
 def test_engine_end_to_end(model_dir, eval_text, monkeypatch):
     from vllm import LLM, SamplingParams
 
-    from kakeyaturbo.capture import load_model, read_tokens
+    from kakeyaturbo.capture import read_tokens
+    from kakeyaturbo.modeling import load_model
 
     monkeypatch.setitem(os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     _, tok = load_model(model_dir)

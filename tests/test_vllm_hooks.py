@@ -18,7 +18,8 @@ DECODE = 24  # teacher-forced decode steps, both sequences in each forward
 
 @pytest.fixture(scope="module")
 def token_ids(model_dir, eval_text):
-    from kakeyaturbo.capture import load_model, read_tokens
+    from kakeyaturbo.capture import read_tokens
+    from kakeyaturbo.modeling import load_model
 
     _, tok = load_model(model_dir)
     ids = read_tokens(tok, eval_text, sum(PROMPTS) + 2 * DECODE, offset_chars=20_000)
@@ -30,7 +31,7 @@ def token_ids(model_dir, eval_text):
 @pytest.fixture(scope="module")
 def calib_bundle(model_dir, calib_text, tmp_path_factory):
     from kakeyaturbo.calibration import calibrate
-    from kakeyaturbo.capture import load_model
+    from kakeyaturbo.modeling import load_model
 
     model, tok = load_model(model_dir)
     calib = calibrate(model, tok, calib_text, tokens=4096, progress=False)
@@ -93,7 +94,7 @@ def _agreement(ref: torch.Tensor, alt: torch.Tensor) -> tuple[float, float]:
 
 
 def test_layout_reproduces_transformers(model_dir, vmodel, token_ids):
-    from kakeyaturbo.capture import load_model
+    from kakeyaturbo.modeling import load_model
 
     hf, _ = load_model(model_dir)
     a = token_ids[0][:200]

@@ -14,9 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from .modeling import load_model, pre_rope_modules
-
-__all__ = ["capture_kv", "load_model", "load_tensor", "read_tokens", "save_tensors"]
+__all__ = ["capture_kv", "load_tensor", "read_tokens", "save_tensors"]
 
 
 def read_tokens(tok, text_file: str | Path, n_tokens: int, offset_chars: int = 0) -> list[int]:
@@ -33,6 +31,8 @@ def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
     """Runs one forward pass; returns ``{"layer{i}.k", "layer{i}.k_pre_rope", "layer{i}.v"}``."""
     import torch
     from transformers import DynamicCache
+
+    from .modeling import pre_rope_modules
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -78,6 +78,19 @@ def _setup(args):
     )
 
 
+def _shared_options(text: str | None) -> dict | None:
+    """``sink_tokens=4,residual_length=32`` -> the shared options applied to every method."""
+    if not text:
+        return None
+    from kakeyaturbo.eval.methods import COMMON_KEYS, parse_spec
+
+    _, opts = parse_spec("options:" + text)
+    unknown = sorted(set(opts) - set(COMMON_KEYS))
+    if unknown:
+        raise SystemExit(f"--options: {unknown} are not shared options {COMMON_KEYS}")
+    return opts
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
@@ -109,13 +122,15 @@ def cmd_sweep(args) -> int:
     setup = _setup(args)
     args.family = args.family or list(DEFAULT_FAMILIES)
     specs = expand(args.family, args.bits)
-    rows = run_methods(setup, specs, args.mode, None, _progress(args), label="sweep")
+    shared = _shared_options(args.options)
+    rows = run_methods(setup, specs, args.mode, shared, _progress(args), label="sweep")
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     res = {
         "kind": "sweep",
         "command": _command(args),
         **setup.config(),
         "mode": args.mode,
+        "options": shared or {},
         "families": args.family,
         "bits": args.bits,
         "ppl_ref": next((r["ppl_ref"] for r in rows if r.get("ppl_ref") is not None), None),
@@ -131,6 +146,7 @@ def cmd_sweep(args) -> int:
         f"{Path(args.model).name} on {Path(args.text).name}: ctx {args.ctx}, "
         f"{args.n_eval} scored tokens, "
         f"{args.passages} passages, {args.mode}"
+        + (f", {args.options}" if args.options else "")
     )
     Path(plot).parent.mkdir(parents=True, exist_ok=True)
     plot_pareto(rows, args.family, plot, title)
@@ -342,6 +358,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--bits", type=int, nargs="+", default=DEFAULT_BITS)
     p.add_argument("--mode", choices=["snapshot", "in-forward"], default="snapshot")
+    p.add_argument(
+        "--options",
+        default=None,
+        help="shared options for every method alike, e.g. sink_tokens=4,residual_length=32 "
+        "(the protocol the product ships)",
+    )
     p.add_argument("--out", default="reports/sweep.json")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.set_defaults(func=cmd_sweep)
