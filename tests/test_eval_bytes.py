@@ -48,7 +48,6 @@ def test_peer_projection_is_byte_exact(captured, spec):
 
 
 def test_kakeya_projection_is_close(captured):
-    pytest.importorskip("kakeyaturbo")
     model, kv, geom = captured
     m = build_method("kakeya")
     rope = ModelRope(model.config) if m.options.pre_rope else None

@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-kt = pytest.importorskip("kakeyaturbo")
-pytest.importorskip("kakeyaturbo.hf")
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
-
-from kakeyaturbo.hf import KakeyaCache, rotary_spec_from_config  # noqa: E402
+import kakeyaturbo as kt
+from kakeyaturbo.hf import KakeyaCache, rotary_spec_from_config
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"

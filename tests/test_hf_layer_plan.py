@@ -8,13 +8,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import transformers as tf
+from transformers import AutoModelForCausalLM, DynamicCache
 
-kt = pytest.importorskip("kakeyaturbo")
-pytest.importorskip("kakeyaturbo.hf")
-import transformers as tf  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
-
-from kakeyaturbo.hf import KakeyaCache, KakeyaLayer, LayerKind, build_layer_plan  # noqa: E402
+import kakeyaturbo as kt
+from kakeyaturbo.hf import KakeyaCache, KakeyaLayer, LayerKind, build_layer_plan
 
 TINY = dict(
     hidden_size=64,

@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-kt = pytest.importorskip("kakeyaturbo")
-pytest.importorskip("kakeyaturbo.hf")
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-
-from kakeyaturbo.hf import KakeyaCache  # noqa: E402
+import kakeyaturbo as kt
+from kakeyaturbo.hf import KakeyaCache
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"

@@ -14,6 +14,7 @@ import numpy as np
 from . import _core
 from ._arrays import Origin, from_core, to_core
 from ._core import Basis, CodecParams
+from .recipes import default_recipe
 
 
 class EncodedLayer:
@@ -100,8 +101,6 @@ class KVCodecParams:
 
 
 def _recipe_params(stream: str) -> CodecParams:
-    from .recipes import default_recipe  # recipes imports this module
-
     return getattr(default_recipe(), stream)
 
 

@@ -143,14 +143,6 @@ class Calibration:
                 "calibration bundle was made for another model: " + "; ".join(diffs + missing)
             )
 
-    def codebook(self, stream: str, bits: int) -> list[float]:
-        """Calibrated Lloyd-Max levels for the uniform path (``pca_method='none'``, ``k=0``):
-        ``CodecParams(bit_width=bits, centroids=calib.codebook("k", bits), ...)``."""
-        try:
-            return [float(v) for v in self.meta["codebooks"][stream][str(bits)]]
-        except KeyError:
-            raise CalibrationError(f"bundle has no {bits}-bit codebook for {stream!r}") from None
-
     def layer_bit_offsets(self, stream: str) -> Optional[list[float]]:
         """Per-layer bit offsets (mean zero) from the sensitivity scan, if the bundle has one:
         layer ``i`` of ``stream`` gets ``bits_per_value + offsets[i]``."""

@@ -14,10 +14,6 @@ from tqdm.auto import tqdm
 from ..modeling import pre_rope_modules
 from .bundle import Calibration, model_fingerprint
 
-_SAMPLE_STRIDE = 4  # every 4th token
-_SAMPLE_VECTORS = 8192  # per layer and stream
-CODEBOOK_BITS = (1, 2, 3, 4)
-
 
 class _Moments:
     """Running sums for one layer: sum x x^T per KV head for q (pooled), k and v, and sums."""
@@ -30,8 +26,6 @@ class _Moments:
         self.v = np.zeros((heads, d))
         self.nq = 0
         self.n = 0
-        # A thinned sample of pre-RoPE keys and values, for fitting codebooks.
-        self.samples: dict[str, list[np.ndarray]] = {"k": [], "v": []}
 
     def add(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int) -> None:
         # q: [T, Hq, D] -> pooled per KV head; k, v: [T, H, D]
@@ -44,9 +38,6 @@ class _Moments:
         self.v += v.sum(0)
         self.nq += t * group
         self.n += t
-        if sum(len(a) for a in self.samples["k"]) < _SAMPLE_VECTORS:
-            self.samples["k"].append(k[::_SAMPLE_STRIDE].reshape(-1, d))
-            self.samples["v"].append(v[::_SAMPLE_STRIDE].reshape(-1, d))
 
 
 def collect_moments(
@@ -133,49 +124,6 @@ def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.nda
     return {k: np.stack(v).astype(np.float32) for k, v in out.items()}
 
 
-def _rotation_matrix(n: int, seed: int) -> np.ndarray:
-    """The codec's own seeded orthonormal WHT rotation as an n x n matrix (column i = R e_i)."""
-    from .. import _core
-
-    eye = np.eye(n, dtype=np.float32)
-    return np.stack([np.asarray(_core.wht_rotate(eye[i].tolist(), seed)) for i in range(n)], 1)
-
-
-def fit_codebooks(moments: list[_Moments], seed: int = 0) -> tuple[dict, dict]:
-    """Lloyd-Max codebooks per stream for the uniform path (``pca_method='none'``, ``k=0``),
-    fitted on exactly what that path quantises: block-centred vectors, rotated by the codec's
-    WHT and scaled by ``|u| / sqrt(n)``. Returns (codebooks, MSE gain over Gaussian tables)."""
-    from ..codec import fit_codebook, gaussian_codebook
-
-    books: dict[str, dict[str, list[float]]] = {}
-    gains: dict[str, dict[str, float]] = {}
-    for stream in ("k", "v"):
-        xs = [np.concatenate(m.samples[stream]) for m in moments]
-        d = xs[0].shape[1]
-        n = 1 << (d - 1).bit_length()
-        rot = _rotation_matrix(n, seed)
-        zs = []
-        for x in xs:
-            u = np.zeros((len(x), n), dtype=np.float64)
-            u[:, :d] = x - x.mean(0)
-            u = u @ rot.T
-            scale = np.linalg.norm(u, axis=1, keepdims=True) / np.sqrt(n)
-            zs.append((u / np.maximum(scale, 1e-30)).ravel())
-        z = np.concatenate(zs).astype(np.float32)
-        books[stream], gains[stream] = {}, {}
-        for b in CODEBOOK_BITS:
-            cal = fit_codebook(z, b, iters=200)
-            gauss = gaussian_codebook(b)
-
-            def mse(levels, z=z):
-                bounds = (levels[1:] + levels[:-1]) / 2
-                return float(np.mean((z - levels[np.searchsorted(bounds, z)]) ** 2))
-
-            books[stream][str(b)] = [float(v) for v in cal]
-            gains[stream][str(b)] = round(mse(gauss) / mse(cal), 4)
-    return books, gains
-
-
 def calibrate(
     model,
     tokenizer,
@@ -199,9 +147,6 @@ def calibrate(
         "text_file": Path(text_file).name,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
     }
-    books, gains = fit_codebooks(moments)
-    meta["codebooks"] = books
-    meta["codebook_mse_gain"] = gains
     if command:
         meta["command"] = command
     return Calibration(

@@ -60,14 +60,10 @@ class Setup:
 def environment() -> dict[str, Any]:
     import transformers
 
-    try:
-        import kakeyaturbo
+    import kakeyaturbo
 
-        kt_version = getattr(kakeyaturbo, "__version__", None)
-    except ImportError:  # pragma: no cover - the package is what runs this
-        kt_version = None
     return {
-        "kakeyaturbo": kt_version,
+        "kakeyaturbo": kakeyaturbo.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
