@@ -52,25 +52,3 @@ class KVTransforms:
     def inverse(self, y: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
         """Back from the coding frame."""
         return self._apply(y, layer, stream, "inv")
-
-    def key_transform(self) -> _StreamHook:
-        """The key half as a ``KakeyaCache`` transform hook (keys must be pre-RoPE)."""
-        return _StreamHook(self, "k")
-
-    def value_transform(self) -> _StreamHook:
-        """The value half as a ``KakeyaCache`` transform hook."""
-        return _StreamHook(self, "v")
-
-
-class _StreamHook:
-    """``forward(x, layer_idx)`` / ``inverse(x, layer_idx)`` for one stream."""
-
-    def __init__(self, t: KVTransforms, stream: str):
-        self._t = t
-        self._stream = stream
-
-    def forward(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return self._t.forward(x, layer_idx, self._stream)
-
-    def inverse(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return self._t.inverse(x, layer_idx, self._stream)
