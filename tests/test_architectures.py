@@ -44,7 +44,8 @@ try:  # build_method is moving from eval.methods to eval.registry
 except ImportError:  # pragma: no cover
     from kakeyaturbo.eval.methods import build_method  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
+# ~25 s on two busy cores (numpy's multithreaded BLAS in fit_bundle is the most variable part).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # see conftest
 
 ARCHS = ("gemma3", "qwen3")
 MODES = ("snapshot", "in-forward")
@@ -278,8 +279,7 @@ def test_cache_codes_pre_rope_keys(arch, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "arch", [xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="capture.py capture_kv")),
-             "qwen3"]
+    "arch", [xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="capture.py capture_kv")), "qwen3"]
 )
 def test_capture_kv_pre_rope(arch):
     from kakeyaturbo.capture import capture_kv
@@ -320,16 +320,14 @@ def test_eval_kakeya_accuracy_orders_with_bits(arch, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("arch", ARCHS)
-def test_eval_8_bits_accurate_on_each_layer_type(arch, mode):
-    """Only one layer type compressed at a time (exact passthrough): still accurate at 8 bits
-    and clearly worse at 1 bit, so each type's path is live."""
-    model = tiny(arch)
-    groups = [sliding_layers(model), [i for i in range(4) if i not in sliding_layers(model)]]
-    for layers in filter(None, groups):
+def test_eval_gemma3_8_bits_accurate_on_each_layer_type(mode):
+    """One Gemma 3 layer type compressed at a time (exact passthrough): still accurate at 8
+    bits and clearly worse at 1 bit, so each type's path is live."""
+    sliding = sliding_layers(tiny("gemma3"))
+    for layers in (sliding, [i for i in range(4) if i not in sliding]):
         sel = f"layers={'+'.join(map(str, layers))},passthrough=exact"
-        hi = evaluate(arch, f"kakeya:block_size={BLOCK},bits_per_value=8,{sel}", mode)
-        lo = evaluate(arch, f"kakeya:block_size={BLOCK},bits_per_value=1,{sel}", mode)
+        hi = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=8,{sel}", mode)
+        lo = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=1,{sel}", mode)
         assert hi["kl"] < 1e-4 and hi["top1"] >= 0.9, (layers, hi["kl"], hi["top1"])
         assert hi["kl"] * 10 < lo["kl"], (layers, hi["kl"], lo["kl"])
 
@@ -401,8 +399,10 @@ def bundle(arch: str) -> Calibration:
 
 @pytest.mark.parametrize(
     "arch",
-    [xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="calibration/fit.py collect_moments")),
-     "qwen3"],
+    [
+        xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="calibration/fit.py collect_moments")),
+        "qwen3",
+    ],
 )
 def test_collect_moments_sees_pre_rope_qkv(arch):
     """collect_moments' moments are those of the pre-RoPE q, k, v (checked against hooks that
@@ -416,8 +416,10 @@ def test_collect_moments_sees_pre_rope_qkv(arch):
         assert (g.n, g.nq) == (w.n, w.nq)
         for name in ("qq", "kk", "vv", "k", "v"):
             torch.testing.assert_close(
-                torch.from_numpy(getattr(g, name)), torch.from_numpy(getattr(w, name)),
-                rtol=1e-6, atol=1e-8,
+                torch.from_numpy(getattr(g, name)),
+                torch.from_numpy(getattr(w, name)),
+                rtol=1e-6,
+                atol=1e-8,
             )
 
 
@@ -439,6 +441,26 @@ def test_calibrated_eval(arch, tmp_path):
         assert hi["kl"] * 20 < lo["kl"], (mode, hi["kl"], lo["kl"])
         if mode == "snapshot":
             assert base["ratio"] > 2.0 and hi["ratio"] > 1.0
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        xfail_gemma3(
+            BUG_SNAPSHOT_SLIDING_POSITIONS + " (with a calibration the sliding layers' "
+            "keys are then coded in the wrong frame: 1-bit KL 0.18 vs 0.003 in-forward)"
+        ),
+        "qwen3",
+    ],
+)
+def test_calibrated_snapshot_no_worse_than_in_forward(arch, tmp_path):
+    """Snapshot mode codes exact K/V, in-forward compounds errors over depth: with the same
+    bundle, snapshot must not be much worse (it is when keys reach the calibrated pre-RoPE
+    frame at the wrong positions)."""
+    path = bundle(arch).save(tmp_path / "bundle")
+    spec = f"kakeya:block_size={BLOCK},bits_per_value=1,calibration={path}"
+    snap, fwd = (evaluate(arch, spec, mode)["kl"] for mode in MODES)
+    assert snap <= 2 * fwd, (snap, fwd)
 
 
 # ---- 4. KakeyaCache --------------------------------------------------------------------------
@@ -508,9 +530,12 @@ def test_cache_near_lossless_matches_dynamic_cache(arch, calibrated, tmp_path):
     assert torch.isfinite(got).all()
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.95, agree
-    kl = torch.nn.functional.kl_div(
-        got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean"
-    ).item() / got.shape[1]
+    kl = (
+        torch.nn.functional.kl_div(
+            got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean"
+        ).item()
+        / got.shape[1]
+    )
     assert kl < 1e-3, kl
     rep = cache.memory_report()
     assert rep["compressed_bytes"] > 0
