@@ -16,7 +16,7 @@ COMMON=(--model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 --no
 # kakeya points: the self-calibrated default, then the calibrated recipe at several rates.
 KAKEYA=(kakeya "kakeya:calibration=$C,bits_per_value=2" "kakeya:calibration=$C,bits_per_value=2.25"
   "kakeya:calibration=$C" "kakeya:calibration=$C,bits_per_value=3.25"
-  "kakeya:calibration=$C,bits_per_value=4")
+  "kakeya:calibration=$C,bits_per_value=4" "kakeya:calibration=$C,bits_per_value=5.5")
 PEERS=("kivi:bits={bits}" "turboquant:bits={bits}" fp8 "hf-quanto:bits={bits}"
   "hf-hqq:bits={bits}")
 families() { for f in "${KAKEYA[@]}" "$@"; do printf -- '--family\n%s\n' "$f"; done; }
@@ -38,7 +38,7 @@ kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/copy.json \
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/attribution.json \
   --method "kakeya:calibration=$C,streams=k" --method "kakeya:calibration=$C,streams=v" \
   --method "kakeya:calibration=$C,layer_bits=false" --method "kakeya:calibration=$C,v_token_norms=false" \
-  --method "kakeya:calibration=$C,whiten=false"
+  --method "kakeya:calibration=$C,whiten=false" --method "kakeya:calibration=$C,recent_tokens=0"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

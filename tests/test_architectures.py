@@ -14,7 +14,7 @@ What would catch real bugs:
   wrong table is still an identity, hence the direct pre-RoPE checks);
 - bytes: the ratio counts what the cache holds.
 
-Known library bugs are marked ``xfail(strict=True)`` with the reason.
+
 """
 
 from __future__ import annotations
@@ -56,29 +56,6 @@ CTX, N_EVAL, BLOCK = 512, 16, 128  # 4 whole blocks per full layer
 P8 = kt.CodecParams(
     allocation="waterfill", k=0, bits_per_value=8, block_size=BLOCK, pca_method="none"
 )
-
-# ---- known bugs (see the module docstring) -------------------------------------------------
-
-BUG_SNAPSHOT_SLIDING_POSITIONS = (
-    "eval/harness.py _run_snapshot -> compress_stream(..., rope) un-rotates every cached "
-    "layer's keys as if token i sat at position i; a sliding-window layer's cache holds the "
-    "last window-1 tokens (positions ctx-window+1 .. ctx-1), so Gemma 3 sliding layers reach "
-    "the method post-RoPE-garbled (not pre-RoPE) in snapshot mode"
-)
-BUG_IN_FORWARD_SLIDING_BYTES = (
-    "eval/harness.py CompressingCache.update counts bytes for every token of the prefill it "
-    "is handed, but a sliding layer keeps only window-1 of them (what bf16_bytes counts): "
-    "in-forward stored bytes of Gemma 3 sliding layers are overcounted (bf16 ratio < 1)"
-)
-BUG_GEMMA3_QK_NORM_LAYOUT = (
-    "{where} assumes pre_rope_modules outputs are [B, T, H*D] or [B, T, H, D]; Gemma 3's "
-    "q_norm/k_norm run after the head transpose and output [B, H, T, D]"
-)
-
-
-def xfail_gemma3(reason: str, *rest):
-    return pytest.param("gemma3", *rest, marks=pytest.mark.xfail(strict=True, reason=reason))
-
 
 # ---- tiny models -----------------------------------------------------------------------------
 
@@ -232,19 +209,21 @@ class _Record(Method):
     [
         ("qwen3", "snapshot"),
         ("qwen3", "in-forward"),
-        xfail_gemma3(BUG_SNAPSHOT_SLIDING_POSITIONS, "snapshot"),
+        ("gemma3", "snapshot"),
         ("gemma3", "in-forward"),
     ],
 )
 def test_harness_hands_pre_rope_keys(arch, mode):
-    """With pre_rope=true the method receives exactly k_norm's output (every layer)."""
+    """With pre_rope=true the method receives exactly k_norm's output, for every layer it codes:
+    the full-attention ones (sliding layers are held as computed, as KakeyaCache holds them)."""
     model, ref = tiny(arch), reference(arch)
     method = _Record()
     row = evaluate(arch, "", mode, method)
     # exact but for the float rounding of un-rotating and re-rotating
     assert row["kl"] < 1e-9 and row["top1"] == 1.0
     pre = pre_rope_qkv(model, torch.cat([b.prefix for b in ref.batches]))
-    assert sorted(method.keys) == list(range(len(model.model.layers)))
+    full = [i for i in range(len(model.model.layers)) if i not in sliding_layers(model)]
+    assert sorted(method.keys) == full
     for li, got in method.keys.items():
         held = got.shape[2]
         torch.testing.assert_close(got, pre[li][1][:, :, CTX - held :], atol=1e-4, rtol=0)
@@ -278,9 +257,7 @@ def test_cache_codes_pre_rope_keys(arch, monkeypatch):
         torch.testing.assert_close(got, pre[li][1][:, :, : 2 * BLOCK], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "arch", [xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="capture.py capture_kv")), "qwen3"]
-)
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
 def test_capture_kv_pre_rope(arch):
     from kakeyaturbo.capture import capture_kv
 
@@ -300,17 +277,17 @@ def test_capture_kv_pre_rope(arch):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eval_kakeya_accuracy_orders_with_bits(arch, mode):
-    """`kakeya` runs on every layer (Gemma 3's sliding layers too) and 8 bits per value agree
-    with the uncompressed model far better than 1 bit."""
+    """`kakeya` codes every full-attention layer (Gemma 3's sliding ones are held, as in
+    KakeyaCache) and 8 bits per value agree with the uncompressed model far better than 1 bit."""
     method = build_method(f"kakeya:block_size={BLOCK}")
     method.recorded = {}
     base = evaluate(arch, "", mode, method)
     assert math.isfinite(base["kl"]) and 0.0 <= base["top1"] <= 1.0
     assert base["tokens"] == 2 * N_EVAL
     assert base["bytes_breakdown"]["encoded"] > 0
-    # Every layer's K and V was coded, in whole blocks where there were enough tokens.
-    assert sorted({li for li, _ in method.recorded}) == [0, 1, 2, 3]
+    # Every full layer's K and V was coded, in whole blocks.
     full = [li for li in range(4) if li not in sliding_layers(tiny(arch))]
+    assert sorted({li for li, _ in method.recorded}) == full
     assert all(len(method.recorded[(li, "k")][0]) == CTX // BLOCK for li in full)
     hi = evaluate(arch, f"kakeya:block_size={BLOCK},bits_per_value=8", mode)
     lo = evaluate(arch, f"kakeya:block_size={BLOCK},bits_per_value=1", mode)
@@ -320,16 +297,19 @@ def test_eval_kakeya_accuracy_orders_with_bits(arch, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_eval_gemma3_8_bits_accurate_on_each_layer_type(mode):
-    """One Gemma 3 layer type compressed at a time (exact passthrough): still accurate at 8
-    bits and clearly worse at 1 bit, so each type's path is live."""
+def test_eval_gemma3_codes_full_layers_and_holds_sliding_ones(mode):
+    """Sliding layers are never coded (as in KakeyaCache): asking for them alone changes
+    nothing. Full layers are, accurately at 8 bits and clearly worse at 1 bit."""
     sliding = sliding_layers(tiny("gemma3"))
-    for layers in (sliding, [i for i in range(4) if i not in sliding]):
-        sel = f"layers={'+'.join(map(str, layers))},passthrough=exact"
-        hi = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=8,{sel}", mode)
-        lo = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=1,{sel}", mode)
-        assert hi["kl"] < 1e-4 and hi["top1"] >= 0.9, (layers, hi["kl"], hi["top1"])
-        assert hi["kl"] * 10 < lo["kl"], (layers, hi["kl"], lo["kl"])
+    full = [i for i in range(4) if i not in sliding]
+    sel = f"layers={'+'.join(map(str, sliding))},passthrough=exact"
+    lo = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=1,{sel}", mode)
+    assert lo["kl"] < 1e-9 and lo["top1"] == 1.0
+    sel = f"layers={'+'.join(map(str, full))},passthrough=exact"
+    hi = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=8,{sel}", mode)
+    lo = evaluate("gemma3", f"kakeya:block_size={BLOCK},bits_per_value=1,{sel}", mode)
+    assert hi["kl"] < 1e-4 and hi["top1"] >= 0.9, (hi["kl"], hi["top1"])
+    assert hi["kl"] * 10 < lo["kl"], (hi["kl"], lo["kl"])
 
 
 @pytest.mark.parametrize(
@@ -338,7 +318,7 @@ def test_eval_gemma3_8_bits_accurate_on_each_layer_type(mode):
         ("qwen3", "snapshot"),
         ("qwen3", "in-forward"),
         ("gemma3", "snapshot"),
-        xfail_gemma3(BUG_IN_FORWARD_SLIDING_BYTES, "in-forward"),
+        ("gemma3", "in-forward"),
     ],
 )
 def test_eval_ratio_above_one(arch, mode):
@@ -359,7 +339,7 @@ def test_eval_ratio_above_one(arch, mode):
         ("qwen3", "snapshot"),
         ("qwen3", "in-forward"),
         ("gemma3", "snapshot"),
-        xfail_gemma3(BUG_IN_FORWARD_SLIDING_BYTES, "in-forward"),
+        ("gemma3", "in-forward"),
     ],
 )
 def test_eval_bf16_bytes_equal_the_baseline(arch, mode):
@@ -400,7 +380,7 @@ def bundle(arch: str) -> Calibration:
 @pytest.mark.parametrize(
     "arch",
     [
-        xfail_gemma3(BUG_GEMMA3_QK_NORM_LAYOUT.format(where="calibration/fit.py collect_moments")),
+        "gemma3",
         "qwen3",
     ],
 )
@@ -446,10 +426,7 @@ def test_calibrated_eval(arch, tmp_path):
 @pytest.mark.parametrize(
     "arch",
     [
-        xfail_gemma3(
-            BUG_SNAPSHOT_SLIDING_POSITIONS + " (with a calibration the sliding layers' "
-            "keys are then coded in the wrong frame: 1-bit KL 0.18 vs 0.003 in-forward)"
-        ),
+        "gemma3",
         "qwen3",
     ],
 )

@@ -32,19 +32,17 @@ def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
     import torch
     from transformers import DynamicCache
 
-    from .modeling import pre_rope_modules
+    from .modeling import heads_first, pre_rope_modules
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     pre: dict[int, torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
         proj = pre_rope_modules(layer.self_attn)[1]
 
         def hook(_mod, _inp, out, i=i):
-            b, t = out.shape[:2]
-            pre[i] = out.detach().reshape(b, t, n_kv, head_dim).transpose(1, 2)[0]
+            pre[i] = heads_first(out.detach(), len(input_ids), head_dim)[0]
 
         hooks.append(proj.register_forward_hook(hook))
     cache = DynamicCache(config=cfg)

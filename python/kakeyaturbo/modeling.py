@@ -29,6 +29,7 @@ __all__ = [
     "copy_passages",
     "cut_passages",
     "find_gguf",
+    "heads_first",
     "kv_geometry",
     "load_model",
     "pre_rope_modules",
@@ -190,6 +191,23 @@ def pre_rope_modules(attn) -> tuple:
     q = getattr(attn, "q_norm", None) or attn.q_proj
     k = getattr(attn, "k_norm", None) or attn.k_proj
     return q, k, attn.v_proj
+
+
+def heads_first(out, tokens: int, head_dim: int):
+    """A pre-RoPE module's output as ``[batch, heads, tokens, head_dim]``, whatever layout the
+    family gives it: ``[B, T, H * D]`` (projections), ``[B, T, H, D]`` (Qwen3's norms) or
+    ``[B, H, T, D]`` (Gemma 3 normalises after moving heads first)."""
+    if out.dim() == 3:
+        return out.reshape(out.shape[0], tokens, -1, head_dim).transpose(1, 2)
+    if out.dim() == 4 and out.shape[-1] == head_dim:
+        if out.shape[1] == tokens and out.shape[2] != tokens:
+            return out.transpose(1, 2)
+        if out.shape[2] == tokens:
+            return out
+    raise ValueError(
+        f"cannot read a pre-RoPE output of shape {tuple(out.shape)} as {tokens} tokens of "
+        f"head_dim {head_dim}"
+    )
 
 
 def kv_geometry(config) -> KVGeometry:

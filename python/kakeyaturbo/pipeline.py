@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import codec as _codec
-from .recipes import Recipe
+from .recipes import MAX_BITS, Recipe
 
 __all__ = ["CodedBlock", "Pipeline", "STREAMS"]
 
@@ -143,13 +143,16 @@ class Pipeline:
         stream: str,
         positions: Optional[torch.Tensor] = None,
         sinks: Optional[torch.Tensor] = None,
+        newer: Optional[int] = None,
     ) -> list[CodedBlock]:
         """Code ``x`` ``[B, H, T, D]`` into blocks of ``recipe.block_size`` tokens.
 
         ``positions`` ([B, T] int) are the keys' RoPE positions: given for post-RoPE keys of a
         pre-RoPE recipe, they are unrotated first. Keys that are already pre-RoPE (vLLM's
         pre-RoPE hook) and values pass None. ``sinks`` ([B, T] bool): tokens the caller holds
-        exact (coded as their block's mean)."""
+        exact (coded as their block's mean). ``newer``: how many tokens of the sequence are
+        newer than the span's last one (None: unknown); the span's tokens among the recipe's
+        ``recent_tokens`` newest are coded apart at ``recent_bits`` more bits."""
         _check(x, stream)
         bs = self.recipe.block_size
         x = x.detach().float().cpu()
@@ -158,37 +161,19 @@ class Pipeline:
         if sinks is not None and bool(sinks.any()):
             x = _neutralise(x, sinks.cpu(), bs)
         y = self._into_frame(x, layer, stream)
-        b, h, t, d = y.shape
+        t = y.shape[2]
         norms = None
         if self.recipe.token_norms(stream):
             norms = y.norm(dim=-1).half()
             # Zero vectors stay zero: divide by 1 (their norm is stored as 0).
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
         params = self.recipe.params(layer, stream)
-        blocks: list[CodedBlock] = []
-        whole = t // bs
-        if whole:
-            streams = y[:, :, : whole * bs].reshape(b, h, whole, bs, d).permute(2, 0, 1, 3, 4)
-            encs = _encode(streams.reshape(whole * b * h, bs, d), params, layer, stream)
-            per = b * h
-            for j in range(whole):
-                blocks.append(
-                    CodedBlock(
-                        encs[j * per : (j + 1) * per],
-                        None if norms is None else norms[:, :, j * bs : (j + 1) * bs].clone(),
-                        bs,
-                    )
-                )
-        rest = t - whole * bs
-        if rest:
-            tail = y[:, :, whole * bs :].reshape(b * h, rest, d)
-            blocks.append(
-                CodedBlock(
-                    _encode(tail, params, layer, stream),
-                    None if norms is None else norms[:, :, whole * bs :].clone(),
-                    rest,
-                )
-            )
+        recent = 0 if newer is None else min(max(self.recipe.recent_tokens - newer, 0), t)
+        blocks = _code_blocks(y[:, :, : t - recent], norms, 0, params, bs, layer, stream)
+        if recent:
+            bits = min(params.bits_per_value + self.recipe.recent_bits, MAX_BITS)
+            hi = params.replace(bits_per_value=bits)
+            blocks += _code_blocks(y[:, :, t - recent :], norms, t - recent, hi, bs, layer, stream)
         return blocks
 
     def decode(
@@ -228,11 +213,12 @@ class Pipeline:
         stream: str,
         positions: Optional[torch.Tensor] = None,
         sinks: Optional[torch.Tensor] = None,
+        newer: Optional[int] = None,
     ) -> tuple[torch.Tensor, list[CodedBlock]]:
         """Encode then decode ``x``: (reconstruction in ``x``'s dtype and device, with the
         ``sinks`` written back exact; the blocks). Frame bytes are the caller's to count
         (:meth:`frame_bytes`): they are held once per sequence, not per call."""
-        blocks = self.encode(x, layer, stream, positions, sinks)
+        blocks = self.encode(x, layer, stream, positions, sinks, newer)
         y = self.decode(blocks, layer, stream, x.shape[0], positions)
         y = y.to(device=x.device, dtype=x.dtype)
         if sinks is not None:
@@ -284,6 +270,31 @@ def _neutralise(x: torch.Tensor, sinks: torch.Tensor, bs: int) -> torch.Tensor:
         mean = (seg * k).sum(2, keepdim=True) / k.sum(2, keepdim=True).clamp(min=1)
         out[:, :, lo : lo + bs] = torch.where(k.bool(), seg, mean)
     return out
+
+
+def _code_blocks(y, norms, start, params, bs, layer, stream) -> list[CodedBlock]:
+    """Code ``y`` [B, H, T, D] (tokens ``start``.. of the span) as whole blocks of ``bs``, then
+    a shorter last one; whole blocks go to the codec in one parallel call."""
+    b, h, t, d = y.shape
+    blocks: list[CodedBlock] = []
+
+    def norms_of(lo: int, hi: int):
+        return None if norms is None else norms[:, :, start + lo : start + hi].clone()
+
+    whole = t // bs
+    if whole:
+        streams = y[:, :, : whole * bs].reshape(b, h, whole, bs, d).permute(2, 0, 1, 3, 4)
+        encs = _encode(streams.reshape(whole * b * h, bs, d), params, layer, stream)
+        per = b * h
+        for j in range(whole):
+            encs_j = encs[j * per : (j + 1) * per]
+            blocks.append(CodedBlock(encs_j, norms_of(j * bs, (j + 1) * bs), bs))
+    rest = t - whole * bs
+    if rest:
+        tail = y[:, :, whole * bs :].reshape(b * h, rest, d)
+        encs = _encode(tail, params, layer, stream)
+        blocks.append(CodedBlock(encs, norms_of(whole * bs, t), rest))
+    return blocks
 
 
 def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:

@@ -19,6 +19,10 @@ Why the default is what it is (measured on SmolLM2-135M, see ``docs/recipe.md``)
 5. **Per-layer bits** come from the calibration bundle's sensitivity scan when it has one
    (mean zero: the average rate is unchanged).
 6. **Attention sinks** (the first ``sink_tokens`` tokens) stay exact.
+7. **The newest tokens get more bits**: a stored prefill's last ``recent_tokens`` tokens are
+   what its continuation reads most (holding 32 of them exact halved KL on SmolLM2), so they
+   are coded at ``recent_bits`` more bits than the rest. ``KakeyaCache`` holds its newest
+   ``residual_length`` tokens exact anyway, so there the rule never applies.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ DEFAULT_BLOCK_SIZE = 512
 #: Bits per value (keys, values) without and with a calibration bundle.
 SELF_CALIBRATED_BITS = (3.0, 3.0)
 CALIBRATED_BITS = (2.75, 2.75)
+#: The newest tokens at coding time get more bits (the recent window, coded rather than exact).
+RECENT_TOKENS, RECENT_BITS = 64, 3.0
 #: Per-layer offsets are clipped to keep every layer within [MIN_BITS, MAX_BITS].
 MIN_BITS, MAX_BITS = 0.25, 8.0
 
@@ -57,7 +63,9 @@ class Recipe:
 
     ``k_layer_bits`` / ``v_layer_bits``: per-layer offsets added to ``bits_per_value`` (empty:
     none). ``whiten``: with a calibration, code keys in the query-aware frame (False: plain
-    key PCA, an ablation)."""
+    key PCA, an ablation). ``recent_tokens`` / ``recent_bits``: the newest tokens of a sequence
+    at coding time get that many more bits (a stored prefill's last tokens are the ones its
+    continuation reads most; ``KakeyaCache`` holds them exact in its hot window anyway)."""
 
     k: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[0]))
     v: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[1]))
@@ -68,6 +76,8 @@ class Recipe:
     whiten: bool = True
     k_layer_bits: tuple[float, ...] = ()
     v_layer_bits: tuple[float, ...] = ()
+    recent_tokens: int = RECENT_TOKENS
+    recent_bits: float = RECENT_BITS
 
     def __post_init__(self) -> None:
         for name in ("k", "v"):
@@ -111,6 +121,8 @@ class Recipe:
             "whiten": self.whiten,
             "k_layer_bits": list(self.k_layer_bits),
             "v_layer_bits": list(self.v_layer_bits),
+            "recent_tokens": self.recent_tokens,
+            "recent_bits": self.recent_bits,
         }
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..modeling import pre_rope_modules
+from ..modeling import heads_first, pre_rope_modules
 from .bundle import Calibration, model_fingerprint
 
 
@@ -53,18 +53,22 @@ def collect_moments(
     layers = model.model.layers
     moments = [_Moments(hkv, d) for _ in layers]
     current: dict[tuple[int, str], np.ndarray] = {}
+    n_tokens = [0]  # tokens of the window in flight
     hooks = []
     for li, layer in enumerate(layers):
         for name, mod in zip("qkv", pre_rope_modules(layer.self_attn)):
 
             def hook(_m, _i, out, li=li, name=name):
-                current[(li, name)] = out.detach()[0].double().reshape(out.shape[1], -1, d).numpy()
+                # [T, H, D] for the window in flight (one sequence per forward)
+                x = heads_first(out.detach(), n_tokens[0], d)[0].transpose(0, 1)
+                current[(li, name)] = x.double().numpy()
 
             hooks.append(mod.register_forward_hook(hook))
     windows = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
     try:
         with torch.no_grad():
             for w in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
+                n_tokens[0] = len(w)
                 model(torch.tensor([w]))
                 for li in range(len(layers)):
                     moments[li].add(

@@ -113,7 +113,7 @@ class CompressingCache(DynamicCache):
         self.rows: list[ByteCount] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.active:
+        if self.active and not _sliding(self, layer_idx):
             key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
             value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
             if self.rows is None:
@@ -203,20 +203,39 @@ def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, li
     cache = copy.deepcopy(batch.cache)
     rows: list[ByteCount] = [{} for _ in batch.passages]
     for li, layer in enumerate(cache.layers):
+        if _sliding(cache, li):
+            continue  # counted by _held_sliding_bytes
         k_hat, rk = compress_stream(method, layer.keys, li, "k", rope)
         v_hat, rv = compress_stream(method, layer.values, li, "v", rope)
         layer.keys, layer.values = k_hat, v_hat
         for r, a, b in zip(rows, rk, rv):
             _add(r, a)
             _add(r, b)
+    _held_sliding_bytes(cache, rows)
     return _continue(model, cache, batch.cont), rows
+
+
+def _sliding(cache, layer: int) -> bool:
+    """Sliding-window layers hold a bounded window and are never coded (as in KakeyaCache)."""
+    return layer < len(cache.layers) and bool(getattr(cache.layers[layer], "is_sliding", False))
+
+
+def _held_sliding_bytes(cache, rows: list[ByteCount]) -> None:
+    """Add each sliding layer's held tokens, at bf16, to every row's full-precision bytes."""
+    for li, layer in enumerate(cache.layers):
+        if _sliding(cache, li):
+            for r, row in enumerate(rows):
+                n = layer.keys[r].numel() + layer.values[r].numel()
+                _add(row, {"full_precision": 2 * n})
 
 
 def _run_in_forward(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
     cache = CompressingCache(method, model.config, _rope(model, method))
     _prefill(model, batch.prefix, cache)
     cache.active = False
-    return _continue(model, cache, batch.cont), cache.rows or []
+    rows = cache.rows or [{} for _ in batch.passages]
+    _held_sliding_bytes(cache, rows)
+    return _continue(model, cache, batch.cont), rows
 
 
 def _run_hf(

@@ -26,7 +26,7 @@ from kakeyaturbo.recipes import Recipe, default_recipe
 
 __all__ = ["Kakeya"]
 
-_RECIPE_KEYS = ("k_token_norms", "v_token_norms", "whiten")
+_RECIPE_KEYS = ("k_token_norms", "v_token_norms", "whiten", "recent_tokens", "recent_bits")
 
 
 @register(
@@ -41,7 +41,7 @@ class Kakeya(Method):
         params = dict(params)
         calib_dir = params.pop("calibration", None)
         layer_bits = bool(params.pop("layer_bits", True))
-        recipe_changes = {k: bool(params.pop(k)) for k in _RECIPE_KEYS if k in params}
+        recipe_changes = {k: params.pop(k) for k in _RECIPE_KEYS if k in params}
         self.calibration = None
         if calib_dir is not None:
             from kakeyaturbo.calibration import Calibration
@@ -84,10 +84,14 @@ class Kakeya(Method):
         # exact beside the stream, as KakeyaCache holds them.
         sinks = torch.zeros((1, x.shape[2]), dtype=torch.bool)
         sinks[:, : self.options.sink_tokens] = True
+        # The prefix ends where the harness's recent window (held exact) begins.
+        newer = self.options.residual_length
         outs, rows = [], []
         for i in range(x.shape[0]):
             pipe = self.pipeline.fresh()  # one passage = one sequence: its own frames
-            y, blocks = pipe.roundtrip(x[i : i + 1].float(), layer, stream, sinks=sinks)
+            y, blocks = pipe.roundtrip(
+                x[i : i + 1].float(), layer, stream, sinks=sinks, newer=newer
+            )
             outs.append(y)
             rows.append(
                 {

@@ -203,7 +203,8 @@ class KVCoder:
         sinks[:, :n_sinks] = True
         pipe = self.pipeline.fresh()  # a prompt is an independent sequence: its own frames
         t0 = time.perf_counter()
-        y, blocks = pipe.roundtrip(seg, layer, stream, sinks=sinks)
+        # The run ends at the newest prompt token of the forward.
+        y, blocks = pipe.roundtrip(seg, layer, stream, sinks=sinks, newer=0)
         self.stats.codec_seconds += time.perf_counter() - t0
         count.coded_tokens += seg.shape[2] - n_sinks
         count.encoded_bytes += sum(b.nbytes for b in blocks) + pipe.frame_bytes()
