@@ -231,10 +231,10 @@ def test_pre_rope_encodes_the_unrotated_keys_of_padded_rows(model, ids):
     calls, framed = [], []  # (layer 0 keys given to encode, positions); what enters the frame
     encode, into_frame = pipe.encode, pipe._into_frame
 
-    def spy_encode(x, layer, stream, positions=None, sinks=None):
+    def spy_encode(x, layer, stream, positions=None, sinks=None, newer=None):
         if (layer, stream) == (0, "k"):
             calls.append((x.clone(), None if positions is None else positions.clone()))
-        return encode(x, layer, stream, positions, sinks)
+        return encode(x, layer, stream, positions, sinks, newer)
 
     def spy_frame(x, layer, stream):
         if (layer, stream) == (0, "k"):

@@ -80,7 +80,7 @@ def _pipeline_roundtrip(rows: torch.Tensor, layer: int, stream: str, config=None
     pipe = Pipeline((config or VLLMHookConfig()).recipe())
     sinks = torch.zeros((1, n), dtype=torch.bool)
     sinks[:, :4] = True
-    y, blocks = pipe.roundtrip(x, layer, stream, sinks=sinks)
+    y, blocks = pipe.roundtrip(x, layer, stream, sinks=sinks, newer=0)
     nbytes = sum(b.nbytes for b in blocks) + pipe.frame_bytes()
     return y[0].permute(1, 0, 2).to(rows.dtype), nbytes
 

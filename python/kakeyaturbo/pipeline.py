@@ -39,8 +39,11 @@ from .recipes import MAX_BITS, Recipe
 __all__ = ["CodedBlock", "Pipeline", "STREAMS"]
 
 STREAMS = ("k", "v")
-#: Bytes per stored float16 element (token norms, self-fitted frames).
+#: Bytes per stored float16 element (token norms).
 _HALF = 2
+#: Self-fitted frames need at least this many tokens per dimension to pay for themselves.
+MIN_FRAME_TOKENS_PER_DIM = 4
+_IDENTITY = torch.empty(0, dtype=torch.float16)  # "no frame": a sequence too short for one
 
 
 @dataclass(eq=False)
@@ -232,7 +235,13 @@ class Pipeline:
             return self._transforms.forward(x, layer, stream)
         frame = self._frames.get((layer, stream))
         if frame is None:
-            frame = self._frames[(layer, stream)] = _fit_frame(x)
+            b, _, t, d = x.shape
+            # A frame is D x D per head: on fewer than MIN_FRAME_TOKENS_PER_DIM * D tokens it
+            # costs more than it saves, and the sequence is coded in the identity frame.
+            fit = b * t >= MIN_FRAME_TOKENS_PER_DIM * d
+            frame = self._frames[(layer, stream)] = _fit_frame(x) if fit else _IDENTITY
+        if not frame.numel():  # the identity frame
+            return x
         return torch.einsum("bhtd,hde->bhte", x, frame.float())
 
     def _from_frame(self, y, layer, stream, positions):
@@ -242,7 +251,7 @@ class Pipeline:
             # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
             # encoder projected with the same matrix, so the round trip stays consistent.
             frame = self._frames[(layer, stream)]
-            x = torch.einsum("bhte,hde->bhtd", y, frame.float())
+            x = y if not frame.numel() else torch.einsum("bhte,hde->bhtd", y, frame.float())
         if positions is not None and stream == "k" and self.recipe.pre_rope:
             x = self._rope_for(layer).rotate(x, positions.cpu())
         return x

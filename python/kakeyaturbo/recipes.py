@@ -43,7 +43,7 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_BLOCK_SIZE = 512
 #: Bits per value (keys, values) without and with a calibration bundle.
 SELF_CALIBRATED_BITS = (3.0, 3.0)
-CALIBRATED_BITS = (2.75, 2.75)
+CALIBRATED_BITS = (2.5, 2.5)
 #: The newest tokens at coding time get more bits (the recent window, coded rather than exact).
 RECENT_TOKENS, RECENT_BITS = 64, 3.0
 #: Per-layer offsets are clipped to keep every layer within [MIN_BITS, MAX_BITS].

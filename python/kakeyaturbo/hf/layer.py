@@ -416,9 +416,10 @@ class KakeyaLayer(CacheLayerMixin):
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
         sinks = self._sink_mask(start, t)
         pipe, li = self._ctx.pipeline, self.layer_idx
-        newer = self._hot_k.shape[-2] - t  # >= residual_length: the hot window is newer
-        enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks, newer)
-        enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks, newer)
+        # Whole blocks of bs tokens only: the recipe's newest-token bits never apply here (the
+        # newest residual_length tokens are held exact instead).
+        enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
+        enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks)
         for j in range(n):
             blk = _Block(
                 k=enc_k[j],
