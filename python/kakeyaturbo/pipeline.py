@@ -6,13 +6,15 @@ One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go thro
     keys: unrotate RoPE (pre-RoPE recipes, at the tokens' positions)
     -> coding frame      calibration bundle's (query-aware whitened PCA for keys, PCA for
                          values; nothing stored) or a PCA frame per (layer, head) fitted on the
-                         first tokens coded and held once as float16 (counted)
+                         first tokens coded and held once as float16 (counted; none for a
+                         sequence shorter than 4 tokens per dimension, where it cannot pay)
     -> token norms       (recipe's choice per stream) each token is scaled to unit norm and
                          its norm held as float16, so the codec's error is relative per token
                          (small-norm tokens that draw much attention keep their precision) and
                          each decoded token is given its exact norm back (no shrinkage)
     -> codec             one stream per (block, batch row, kv head): water-filling over the
-                         frame's components at the layer's bits per value
+                         frame's components at the layer's bits per value; a stored prefix's
+                         newest ``recent_tokens`` form blocks of their own at ``recent_bits`` more
     <- and back in reverse order on decode.
 
 Blocks are ``recipe.block_size`` tokens; a span that is not a whole number of blocks ends in a

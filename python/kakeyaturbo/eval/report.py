@@ -278,8 +278,12 @@ really stores per cached number, side information included. For `hf-*`, `allocat
 the JSON is what the backend's tensors actually occupy in memory; `hf-fp8` has no residual
 window, so as shipped it also quantizes the scored continuation tokens.
 
+"""
+
+WEAK_MODEL_NOTE = """\
 kt-ref-a is a weak model (flat predictions): a KV error moves perplexity little (in either
-direction) and flips top-1 sooner, so read KL and top-1 alongside delta-ppl.
+direction) and flips top-1 sooner, so read KL and top-1 alongside delta-ppl. Quality claims are
+judged on SmolLM2-135M (`reports/`), not here.
 """
 
 
@@ -295,6 +299,8 @@ def render(results: Path, all_command: str | None = None) -> str:
     for _, o in objs:
         all_cmd = all_cmd or o.get("all_command")
     lines = [HEADER.format(all_command=all_cmd or "(run the commands below)")]
+    if any("kt-ref-a" in str(o.get("model", "")) for _, o in objs):
+        lines.append(WEAK_MODEL_NOTE)
     order = {"sweep": 0, "layers": 1, "bytes": 2, "ppl": 3}
     for name, o in sorted(objs, key=lambda t: (order.get(t[1].get("kind"), 9), t[0])):
         kind = o.get("kind")
