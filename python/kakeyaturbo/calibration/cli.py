@@ -26,6 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="passages of the per-layer sensitivity scan (0: skip it)",
     )
     p.add_argument(
+        "--sensitivity-mode",
+        choices=["snapshot", "in-forward"],
+        default="snapshot",
+        help="protocol of the scan: snapshot (each layer alone on exact inputs) or in-forward "
+        "(each layer's error carried through the layers above it)",
+    )
+    p.add_argument(
         "--ridge",
         type=float,
         default=1e-3,
@@ -53,7 +60,12 @@ def run(args: argparse.Namespace) -> int:
         from ..eval.sensitivity import scan
 
         calib.meta["sensitivity"] = scan(
-            model, tok, out, args.text, passages=args.sensitivity_passages
+            model,
+            tok,
+            out,
+            args.text,
+            passages=args.sensitivity_passages,
+            mode=args.sensitivity_mode,
         )
         calib.save(out)
         print("per-layer bit offsets:", calib.meta["sensitivity"]["offsets"])

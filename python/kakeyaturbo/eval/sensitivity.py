@@ -18,8 +18,9 @@ __all__ = ["scan"]
 
 def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
          ctx: int = 960, n_eval: int = 64, probe_bits: float = 2.0,
-         progress: bool = True) -> dict:
-    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``."""
+         progress: bool = True, mode: str = "snapshot") -> dict:
+    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``; ``mode``
+    "in-forward" measures each layer with its error carried through the layers above it."""
     ids = tokenize_text(tokenizer, read_text(text_file))
     ps = cut_passages(ids, passages, ctx + n_eval + 1)
     ref = prepare_reference(model, ps, ctx, n_eval)
@@ -31,9 +32,10 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
             f"kakeya:calibration={bundle_dir},layer_bits=false,bits_per_value={probe_bits},"
             f"layers={i},streams={s},passthrough=exact"
         )
-        row = evaluate_method(model, ref, build_method(spec))
+        row = evaluate_method(model, ref, build_method(spec), mode)
         kl[s].append(float(row["kl"]))
     return {
+        "mode": mode,
         "probe_bits": probe_bits,
         "passages": passages,
         "kl": kl,
