@@ -49,6 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # 
 
 ARCHS = ("gemma3", "qwen3")
 MODES = ("snapshot", "in-forward")
+ARCH_MODES = [(arch, mode) for arch in ARCHS for mode in MODES]
 VOCAB = 256
 WINDOW = 64  # Gemma 3 sliding window: the sliding layers' cache holds WINDOW - 1 tokens
 GEMMA3_TYPES = ["sliding_attention", "full_attention"] * 2
@@ -204,15 +205,7 @@ class _Record(Method):
         return x, [{"codes": 0} for _ in range(x.shape[0])]
 
 
-@pytest.mark.parametrize(
-    "arch, mode",
-    [
-        ("qwen3", "snapshot"),
-        ("qwen3", "in-forward"),
-        ("gemma3", "snapshot"),
-        ("gemma3", "in-forward"),
-    ],
-)
+@pytest.mark.parametrize("arch, mode", ARCH_MODES)
 def test_harness_hands_pre_rope_keys(arch, mode):
     """With pre_rope=true the method receives exactly k_norm's output, for every layer it codes:
     the full-attention ones (sliding layers are held as computed, as KakeyaCache holds them)."""
@@ -312,15 +305,7 @@ def test_eval_gemma3_codes_full_layers_and_holds_sliding_ones(mode):
     assert hi["kl"] * 10 < lo["kl"], (hi["kl"], lo["kl"])
 
 
-@pytest.mark.parametrize(
-    "arch, mode",
-    [
-        ("qwen3", "snapshot"),
-        ("qwen3", "in-forward"),
-        ("gemma3", "snapshot"),
-        ("gemma3", "in-forward"),
-    ],
-)
+@pytest.mark.parametrize("arch, mode", ARCH_MODES)
 def test_eval_ratio_above_one(arch, mode):
     """The default `kakeya` stores fewer bytes than bf16. Gemma 3's sliding layers are left
     full precision as KakeyaCache leaves them: a self-fitted frame (head_dim^2 float16 per
@@ -333,15 +318,7 @@ def test_eval_ratio_above_one(arch, mode):
     assert r["ratio"] > 1.0, r["bytes_breakdown"]
 
 
-@pytest.mark.parametrize(
-    "arch, mode",
-    [
-        ("qwen3", "snapshot"),
-        ("qwen3", "in-forward"),
-        ("gemma3", "snapshot"),
-        ("gemma3", "in-forward"),
-    ],
-)
+@pytest.mark.parametrize("arch, mode", ARCH_MODES)
 def test_eval_bf16_bytes_equal_the_baseline(arch, mode):
     """`bf16` stores exactly the bf16 baseline in both modes (ratio 1)."""
     assert evaluate(arch, "bf16", mode)["ratio"] == 1.0

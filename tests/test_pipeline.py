@@ -69,13 +69,18 @@ def _assert_identical(cache, method):
         )
 
 
-@pytest.mark.slow
-def test_eval_and_cache_store_identical_bytes_kt_ref_a(model_dir, eval_text):
+def _assert_default_recipe_identical(model_dir, eval_text):
+    """The default recipe (no bundle) on ``model_dir``: the same bytes in the eval and cache."""
     model, tok = load_model(model_dir)
     ids = _ids(tok, eval_text)
     _assert_identical(
         _cache_blocks(model, ids), _eval_blocks(model, ids, f"kakeya:residual_length={RESIDUAL}")
     )
+
+
+@pytest.mark.slow
+def test_eval_and_cache_store_identical_bytes_kt_ref_a(model_dir, eval_text):
+    _assert_default_recipe_identical(model_dir, eval_text)
 
 
 @pytest.mark.slow
@@ -94,11 +99,7 @@ def test_eval_and_cache_store_identical_bytes_with_calibration(
 
 @pytest.mark.slow
 def test_eval_and_cache_store_identical_bytes_smollm2(smollm2_dir, eval_text):
-    model, tok = load_model(smollm2_dir)
-    ids = _ids(tok, eval_text)
-    _assert_identical(
-        _cache_blocks(model, ids), _eval_blocks(model, ids, f"kakeya:residual_length={RESIDUAL}")
-    )
+    _assert_default_recipe_identical(smollm2_dir, eval_text)
 
 
 # ---- the pipeline alone ------------------------------------------------------------------

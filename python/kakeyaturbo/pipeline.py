@@ -170,7 +170,7 @@ class Pipeline:
         norms = None
         if self.recipe.token_norms(stream):
             norms = y.norm(dim=-1).half()
-            # Zero vectors stay zero: divide by 1 (their norm is stored as 0).
+            # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
         params = self.recipe.params(layer, stream)
         recent = 0 if newer is None else min(max(self.recipe.recent_tokens - newer, 0), t)

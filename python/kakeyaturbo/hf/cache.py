@@ -293,18 +293,6 @@ def _load_calibration(calibration: Any, model_or_config: Any):
 
 def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens, pre_rope):
     """The recipe the cache codes with: the given or default one, with the overrides."""
-    if recipe is None:
-        given = k_params if k_params is not None else v_params
-        if given is not None and not isinstance(given, kt.CodecParams):
-            raise TypeError(
-                f"k_params / v_params must be kakeyaturbo.CodecParams, got {type(given).__name__}"
-            )
-        block = None if given is None else int(given.block_size)
-        recipe = default_recipe(calibration) if block is None else default_recipe(
-            calibration, block_size=block
-        )
-    elif not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
     changes: dict[str, Any] = {}
     for name, p in (("k", k_params), ("v", v_params)):
         if p is not None:
@@ -313,6 +301,15 @@ def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens
                     f"{name}_params must be a kakeyaturbo.CodecParams, got {type(p).__name__}"
                 )
             changes[name] = p
+    if recipe is None:
+        # The default recipe, streaming in the given parameters' blocks.
+        given = changes.get("k", changes.get("v"))
+        if given is None:
+            recipe = default_recipe(calibration)
+        else:
+            recipe = default_recipe(calibration, block_size=int(given.block_size))
+    elif not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
     if sink_tokens is not None:
         changes["sink_tokens"] = _non_negative_int("sink_tokens", sink_tokens)
     if pre_rope is not None and not isinstance(pre_rope, bool):
