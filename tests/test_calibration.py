@@ -152,3 +152,38 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
         KakeyaCache.from_model(model, calibration=path, pre_rope=False)
 
 
+
+
+def test_layer_offsets_follow_sensitivity_with_zero_mean_and_clip():
+    from kakeyaturbo.calibration.sensitivity import MAX_OFFSET, joint_offsets, layer_offsets
+
+    off = layer_offsets([1e-2, 1e-3, 1e-4, 1e-5, 1e-6])
+    assert abs(sum(off)) < 1e-3 and max(map(abs, off)) <= MAX_OFFSET
+    # 10x the KL is worth log2(10) / 2 = 1.66 bits; the clip holds both ends.
+    assert off == [MAX_OFFSET, MAX_OFFSET, 0.0, -MAX_OFFSET, -MAX_OFFSET]
+    assert layer_offsets([4e-4, 1e-4]) == [1.0 / 2, -1.0 / 2]
+    # Jointly, the more sensitive stream gets the bits.
+    j = joint_offsets({"k": [1e-4, 1e-4], "v": [4e-4, 4e-4]})
+    assert j["v"][0] - j["k"][0] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
+    from kakeyaturbo.eval.sensitivity import scan
+
+    model, tok = model_and_tok
+    kw = dict(passages=1, ctx=128, n_eval=16, progress=False)
+    snap = scan(model, tok, bundle[1], calib_text, mode="snapshot", **kw)
+    fwd = scan(model, tok, bundle[1], calib_text, mode="in-forward", **kw)
+    both = scan(model, tok, bundle[1], calib_text, mode="both", **kw)
+    n = model.config.num_hidden_layers
+    for s in "kv":
+        assert len(snap["kl"][s]) == n and min(snap["kl"][s]) > 0
+        # The top layer's error reaches no layer above it: both protocols agree there.
+        assert fwd["kl"][s][-1] == pytest.approx(snap["kl"][s][-1], rel=1e-4)
+        assert both["kl"][s] == pytest.approx([a + b for a, b in zip(snap["kl"][s], fwd["kl"][s])])
+    # Errors carried through the layers above cost more than one layer's error alone.
+    assert sum(fwd["kl"]["k"] + fwd["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
+    assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3
+    with pytest.raises(ValueError, match="mode"):
+        scan(model, tok, bundle[1], calib_text, mode="chunked", **kw)

@@ -27,10 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--sensitivity-mode",
-        choices=["snapshot", "in-forward"],
+        choices=["snapshot", "in-forward", "both"],
         default="snapshot",
-        help="protocol of the scan: snapshot (each layer alone on exact inputs) or in-forward "
-        "(each layer's error carried through the layers above it)",
+        help="protocol of the scan: snapshot (each layer alone on exact inputs), in-forward "
+        "(each layer's error carried through the layers above it) or both (their KLs summed: "
+        "for servers that code chunked prefills; twice the scan time)",
     )
     p.add_argument(
         "--ridge",
