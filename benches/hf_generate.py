@@ -6,9 +6,12 @@ transformers' QuantizedCache, at several context lengths, measured in one run.
 
 For each context length every method prefills the same WikiText-2 tokens and greedily
 generates `--new-tokens` tokens with `model.generate`. A logits processor timestamps each
-step, so prefill time and decode tokens/s come from the same call. KV bytes are measured after
-generation by walking the tensors (and encoded blocks) each cache holds; `match` is the share of
-generated tokens equal to DynamicCache's.
+step, so prefill time and decode tokens/s come from the same call. Every other method is made to
+follow DynamicCache's greedy tokens (a second processor forces them after the first has recorded
+the method's own logits), so `top1` (its argmax equals DynamicCache's) and `KL` (to
+DynamicCache's next-token distribution) are teacher-forced quality over the generated
+continuation, measured in the timed call itself. KV bytes are measured after generation by
+walking the tensors (and encoded blocks) each cache holds.
 
 KakeyaCache variants (the design choice, see kakeyaturbo/hf/layer.py):
 - `kakeya` (decoded_cache_bytes=0, the default): holds only compressed blocks, the exact hot
@@ -71,8 +74,13 @@ def held_bytes(obj) -> int:
         elif isinstance(x, dict):
             for y in x.values():
                 walk(y)
-        elif type(x).__module__.startswith(("kakeyaturbo.hf", "transformers.cache_utils")):
-            for y in vars(x).values():
+        elif type(x).__name__ in ("KVTransforms", "Calibration"):
+            return  # a calibration bundle is per model, like the weights: not cache bytes
+        elif type(x).__module__.startswith(("kakeyaturbo.", "transformers.cache_utils")):
+            fields = getattr(x, "__dict__", None)
+            if fields is None and hasattr(x, "__slots__"):
+                fields = {n: getattr(x, n, None) for n in x.__slots__}
+            for y in (fields or {}).values():
                 walk(y)
 
     walk(obj)
@@ -80,14 +88,30 @@ def held_bytes(obj) -> int:
 
 
 class StepClock:
-    """Logits processor that only records when each generation step's logits arrive."""
+    """Logits processor that records when each step's logits arrive, and their log-probs."""
 
     def __init__(self):
         self.stamps: list[float] = []
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
+        self.logprobs.append(scores[0].float().log_softmax(-1))
         return scores
+
+
+class Follow:
+    """Logits processor that forces the reference continuation (teacher forcing in generate)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self.step = 0
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.tokens[self.step]] = 0.0
+        self.step += 1
+        return forced
 
 
 def quantized_backend(model, ids) -> tuple[str | None, str]:
@@ -108,11 +132,13 @@ def quantized_backend(model, ids) -> tuple[str | None, str]:
     return None, "; ".join(errors)
 
 
-def run(model, ids, make_cache, new_tokens: int):
+def run(model, ids, make_cache, new_tokens: int, follow: torch.Tensor | None = None):
     from transformers import LogitsProcessorList
 
     cache = make_cache()
     clock = StepClock()
+    base = peak_rss_bytes() if reset_peak_rss() else 0
+    procs = [clock] + ([Follow(follow)] if follow is not None else [])
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -121,18 +147,52 @@ def run(model, ids, make_cache, new_tokens: int):
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
-            logits_processor=LogitsProcessorList([clock]),
+            logits_processor=LogitsProcessorList(procs),
         )
     prefill = clock.stamps[0] - start
     decode_tps = (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0])
-    return out[0, ids.shape[1] :], prefill, decode_tps, held_bytes(cache), cache
+    peak = peak_rss_bytes() - base if base else 0
+    return (
+        out[0, ids.shape[1] :], torch.stack(clock.logprobs), prefill, decode_tps,
+        held_bytes(cache), cache, peak,
+    )
 
 
-def kakeya_factory(model, budget_bytes: int):
+def reset_peak_rss() -> bool:
+    """Resets the kernel's peak-RSS mark of this process (Linux); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process (0 where /proc is absent)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(ref || got)) of two [steps, vocab] log-prob tensors."""
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    # Tokens both runs rule out (-inf, e.g. EOS before min_new_tokens) contribute 0, not NaN.
+    kl = (ref.exp() * (ref - got)).nan_to_num(0.0).sum(-1).clamp_min(0).mean().item()
+    return top1, kl
+
+
+def kakeya_factory(model, budget_bytes: int, calibration=None):
     from kakeyaturbo.hf import KakeyaCache
 
     def make():
-        return KakeyaCache.from_model(model, decoded_cache_bytes=budget_bytes)
+        return KakeyaCache.from_model(
+            model, decoded_cache_bytes=budget_bytes, calibration=calibration
+        )
 
     return make
 
@@ -148,6 +208,12 @@ def main(argv=None) -> None:
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4032])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="calibration bundle for KakeyaCache (default: none, the self-calibrated recipe)",
+    )
     ap.add_argument(
         "--budgets",
         type=float,
@@ -179,7 +245,11 @@ def main(argv=None) -> None:
     if all_ids.shape[1] < need:
         raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
     backend, why = quantized_backend(model, all_ids)
-    recipe = KakeyaCache(model.config).recipe  # what kakeya_factory's caches code with
+    # What kakeya_factory's caches code with.
+    recipe = KakeyaCache.from_model(model, calibration=args.calibration).recipe
+    # Ratios are against bf16 KV bytes whatever the model's dtype (a float32 model's
+    # DynamicCache holds twice that).
+    to_bf16 = 16 / torch.finfo(model.dtype).bits
 
     threads = torch.get_num_threads()
     print(f"model {args.model.name}, torch threads {threads}, kakeyaturbo {kt.__version__}")
@@ -199,43 +269,50 @@ def main(argv=None) -> None:
                 )
             )
         methods += [("kakeya" if f == 0 else f"kakeya+budget={f:g}xdense", f) for f in args.budgets]
-        ref = dense = base_tps = None
+        ref = ref_lp = dense = base_tps = None
         for name, make in methods:
             if not callable(make):  # a decoded budget, as a fraction of DynamicCache's bytes here
                 budget = (
                     0 if make == 0 else (1 << 40 if make == float("inf") else int(make * dense))
                 )
-                make = kakeya_factory(model, budget)
+                make = kakeya_factory(model, budget, args.calibration)
             run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
-            gen, prefill, tps, nbytes, cache = run(model, ids, make, args.new_tokens)
+            gen, lp, prefill, tps, nbytes, cache, peak = run(
+                model, ids, make, args.new_tokens, ref
+            )
             if ref is None:
-                ref, dense, base_tps = gen, nbytes, tps
-            match = (gen == ref).float().mean().item()
+                ref, ref_lp, dense, base_tps = gen, lp, nbytes, tps
+            top1, kl = agreement(ref_lp, lp)
             note = ""
             if isinstance(cache, KakeyaCache):
                 rep = cache.memory_report()
                 assert rep["total_bytes"] == nbytes, (rep["total_bytes"], nbytes)
                 note = f"decoded {rep['decoded_cache_bytes'] / 2**20:.2f} MiB"
             rows.append(
-                (ctx, name, prefill, tps, tps / base_tps, nbytes, dense / nbytes, match, note)
+                (
+                    ctx, name, prefill, tps, tps / base_tps, nbytes, dense * to_bf16 / nbytes,
+                    top1, kl, peak, note,
+                )
             )
             print(f"  ctx {ctx:5d} {name:28s} done", flush=True)
 
     print()
     head = (
         f"{'ctx':>5} {'method':28s} {'prefill s':>9} {'decode tok/s':>12} {'vs dyn':>7} "
-        f"{'KV MiB':>8} {'KV ratio':>8} {'match':>6}  note"
+        f"{'KV MiB':>8} {'vs bf16':>8} {'top1':>6} {'KL':>8} {'peak MiB':>8}  note"
     )
     print(head)
     print("-" * len(head))
-    for ctx, name, prefill, tps, speed, nbytes, ratio, match, note in rows:
+    for ctx, name, prefill, tps, speed, nbytes, ratio, top1, kl, peak, note in rows:
         print(
             f"{ctx:5d} {name:28s} {prefill:9.3f} {tps:12.1f} {speed:7.2f} "
-            f"{nbytes / 2**20:8.2f} {ratio:8.2f} {match:6.2f}  {note}"
+            f"{nbytes / 2**20:8.2f} {ratio:8.2f} {top1:6.3f} {kl:8.2e} {peak / 2**20:8.1f}  {note}"
         )
     print(
-        "\nKV ratio = DynamicCache bytes / method bytes (same tokens); "
-        "vs dyn = decode tok/s / DynamicCache's; match = generated tokens equal to DynamicCache's."
+        "\nvs bf16 = DynamicCache's KV bytes in bf16 / method bytes (same tokens); "
+        "vs dyn = decode tok/s / DynamicCache's; top1, KL: teacher-forced on DynamicCache's "
+        "greedy continuation, against its logits; peak MiB: rise of the process's peak RSS "
+        "during the call (prefill activations included)."
     )
     for ctx in args.contexts:
         q = next((r for r in rows if r[0] == ctx and r[1].startswith("QuantizedCache")), None)
@@ -244,7 +321,7 @@ def main(argv=None) -> None:
         for r in (r for r in rows if r[0] == ctx and r[1].startswith("kakeya")):
             print(
                 f"ctx {ctx}: {r[1]}: {r[3] / q[3]:.2f}x QuantizedCache's decode tok/s, "
-                f"KV ratio {r[6]:.2f} vs its {q[6]:.2f}"
+                f"{r[6]:.2f}x fewer bytes than bf16 vs its {q[6]:.2f}x"
             )
 
 
