@@ -14,7 +14,9 @@ SMALL=${SMALL:-../shared/models/kt-ref-a}
 C=artifacts/calib-smollm2
 COMMON=(--model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 --no-progress)
 # kakeya points: the self-calibrated default, then the calibrated recipe at several rates.
-KAKEYA=(kakeya "kakeya:calibration=$C,bits_per_value=2" "kakeya:calibration=$C,bits_per_value=2.25"
+KAKEYA=(kakeya "kakeya:calibration=$C,bits_per_value=1.25" "kakeya:calibration=$C,bits_per_value=1.5"
+  "kakeya:calibration=$C,bits_per_value=1.75" "kakeya:calibration=$C,bits_per_value=2"
+  "kakeya:calibration=$C,bits_per_value=2.25"
   "kakeya:calibration=$C" "kakeya:calibration=$C,bits_per_value=2.75"
   "kakeya:calibration=$C,bits_per_value=3.25" "kakeya:calibration=$C,bits_per_value=4"
   "kakeya:calibration=$C,bits_per_value=5.5")
