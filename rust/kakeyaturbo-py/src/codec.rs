@@ -309,9 +309,7 @@ pub fn decode_batch<'py>(
                 .zip(refs.par_iter().zip(ext.par_iter()))
                 .enumerate()
                 .try_for_each(|(i, (chunk, (e, b)))| {
-                    let y = core::decode_layer_with(e, *b).map_err(|err| (i, err))?;
-                    chunk.copy_from_slice(&y);
-                    Ok(())
+                    core::decode_layer_into(e, *b, chunk).map_err(|err| (i, err))
                 })?;
             Ok(out)
         })

@@ -12,6 +12,7 @@
 //! ```text
 //! cargo bench -p kakeyaturbo                 # everything
 //! cargo bench -p kakeyaturbo -- encode_layer # one group
+//! cargo bench -p kakeyaturbo -- recipe_waterfill # the shipped recipe, as a ratio to memcpy
 //! ```
 
 use std::hint::black_box;
@@ -25,8 +26,8 @@ use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
 use kakeyaturbo::{
-    decode_layer, encode_block, encode_layer, kmeans, pca, rsvd, BasisRef, CodecParams,
-    EncodedLayer, InputDtype,
+    decode_layer, encode_block, encode_layer, kmeans, pca, rsvd, Allocation, BasisRef, CodecParams,
+    EncodedLayer, InputDtype, PcaMethod,
 };
 
 #[path = "../tests/common/mod.rs"]
@@ -249,5 +250,61 @@ criterion_group!(
     bench_wht,
     bench_quantise_pack
 );
+
+/// The shipped recipe (`recipes.waterfill_params`): water-filling at 2.5 bits per value,
+/// identity basis (the frame is applied outside the codec), no skeleton, 512-token blocks.
+fn recipe_params() -> CodecParams {
+    CodecParams {
+        block_size: BLOCK,
+        allocation: Allocation::Waterfill,
+        pca_method: PcaMethod::None,
+        k: 0,
+        bits_per_value: 2.5,
+        seed: SEED,
+        ..Default::default()
+    }
+}
+
+/// The shipped recipe on a 4,096-token layer, with a `memcpy` of the same number of f32
+/// bytes in the same group, so that every speed reads as a ratio to memory bandwidth
+/// measured in the same run. `decode_layer` runs its blocks on the global rayon pool;
+/// `decode_layer_1t` runs them inside a one-thread pool (the per-core speed). Every id
+/// reports the f32 bytes decoded (or, for `encode_layer`, encoded).
+fn bench_recipe(c: &mut Criterion) {
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    let mut g = group(c, "recipe_waterfill");
+    for d in DIMS {
+        let x = common::kv_like(LAYER_TOKENS, d, SEED ^ 0x2EC1 ^ d as u64);
+        let p = recipe_params();
+        let enc = encode_layer(&x, LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap();
+        let id = |name: &str| BenchmarkId::new(name, format!("D{d}"));
+        g.throughput(f32_bytes(LAYER_TOKENS, d));
+
+        let mut dst = vec![0.0f32; x.len()];
+        g.bench_function(id("memcpy"), |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&x));
+                black_box(&dst);
+            })
+        });
+        g.bench_function(id("decode_layer"), |b| {
+            b.iter(|| decode_layer(black_box(&enc)).unwrap())
+        });
+        g.bench_function(id("decode_layer_1t"), |b| {
+            one.install(|| b.iter(|| decode_layer(black_box(&enc)).unwrap()))
+        });
+        g.bench_function(id("encode_layer"), |b| {
+            b.iter(|| {
+                encode_layer(black_box(&x), LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(layers, bench_block, bench_layer);
-criterion_main!(stages, layers);
+criterion_group!(recipe, bench_recipe);
+criterion_main!(stages, layers, recipe);

@@ -1,6 +1,11 @@
 //! Bit packing of small unsigned integers, LSB first: value `i` occupies bits
 //! `[i * bits, (i + 1) * bits)` of the little-endian bit stream. The unused high bits of
 //! the last byte are zero, and the reader insists on it (no hidden data in padding).
+//!
+//! Three readers: [`unpack`] for fixed-width sections, [`BitReader`] for a variable-width
+//! stream read in order, and [`peek_u64`] for decoders that know each value's bit offset
+//! in advance and read it directly (`(peek_u64(b, p / 8) >> (p % 8)) & mask`, any width
+//! up to 57 bits) without a pass that unpacks the stream first.
 
 use crate::error::{Error, Result};
 
@@ -64,6 +69,25 @@ pub fn unpack(bytes: &[u8], count: usize, bits: u32) -> Result<Vec<u16>> {
         ));
     }
     Ok(out)
+}
+
+/// The 64 bits that start at byte `at`, little-endian; bytes beyond the end of `bytes`
+/// read as zero (so a decoder may peek past the last value of a stream without a check).
+#[inline(always)]
+pub fn peek_u64(bytes: &[u8], at: usize) -> u64 {
+    match bytes.get(at..at.saturating_add(8)) {
+        Some(s) => u64::from_le_bytes(s.try_into().expect("8 bytes")),
+        None => peek_tail(bytes, at),
+    }
+}
+
+/// [`peek_u64`] within 8 bytes of the end (and beyond it).
+#[cold]
+fn peek_tail(bytes: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    let tail = bytes.get(at..).unwrap_or_default();
+    w[..tail.len()].copy_from_slice(tail);
+    u64::from_le_bytes(w)
 }
 
 /// Writes values of varying widths (0..=16 bits) into one LSB-first bit stream.
@@ -186,6 +210,32 @@ mod tests {
                 prop_assert_eq!(r.get(b).unwrap(), v);
             }
             prop_assert!(r.finish().is_ok());
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn peek_reads_every_offset(
+            items in proptest::collection::vec((0u32..=16, any::<u16>()), 0..200),
+        ) {
+            let items: Vec<(u32, u16)> = items
+                .into_iter()
+                .map(|(b, v)| (b, if b == 16 { v } else { (v as u32 & ((1u32 << b) - 1)) as u16 }))
+                .collect();
+            let mut w = BitWriter::new();
+            for &(b, v) in &items {
+                w.put(v, b);
+            }
+            let bytes = w.finish();
+            let mut p = 0usize;
+            for &(b, v) in &items {
+                let got = (peek_u64(&bytes, p / 8) >> (p % 8)) & ((1u64 << b) - 1);
+                prop_assert_eq!(got, v as u64);
+                p += b as usize;
+            }
+            // Past the end: zeros, never a panic.
+            prop_assert_eq!(peek_u64(&bytes, bytes.len()), 0);
+            prop_assert_eq!(peek_u64(&bytes, usize::MAX), 0);
         }
     }
 

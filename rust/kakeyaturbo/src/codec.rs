@@ -12,7 +12,11 @@
 //!
 //! Decoding reverses it: the body gives `c_hat_i`, and `x_hat_i = mean + B^T c_hat_i`.
 //! Blocks are independent and run in parallel; a layer in memory is exactly its wire bytes
-//! ([`crate::format`]).
+//! ([`crate::format`]). Decoding reads from those bytes: a water-filled block's codes are
+//! read straight from the packed stream, and with the identity basis (`pca_method =
+//! none`) the mean is folded into the level tables, so each output row is written once
+//! ([`crate::waterfill::decode_into`]). [`decode_layer_into`] decodes into a caller's
+//! buffer (a batch decodes every layer into its slice of one output).
 
 use std::borrow::Cow;
 
@@ -21,7 +25,9 @@ use rayon::prelude::*;
 
 use crate::basis::{BasisRef, ExternalBasis};
 use crate::error::{Error, Result};
-use crate::format::{check_decode_size, read_layer, write_layer, ParsedLayer};
+use crate::format::{
+    check_decode_size, read_layer, write_layer, ParsedBlock, ParsedBody, ParsedLayer,
+};
 use crate::params::{Allocation, CodecParams, InputDtype, MAX_HEAD_DIM, MAX_MAGNITUDE};
 use crate::pca::{fit_basis, normalised_weights, project, rounded_mean, unproject, SharedBasis};
 use crate::uniform::{self, UniformBody};
@@ -106,20 +112,19 @@ pub struct EncodedLayer {
 impl EncodedLayer {
     /// Validates `bytes` completely (checksum, limits, every field) and wraps them.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
-        let parsed = read_layer(&bytes)?;
-        Ok(Self::from_parsed(bytes, &parsed))
-    }
-
-    fn from_parsed(bytes: Vec<u8>, p: &ParsedLayer) -> Self {
-        EncodedLayer {
-            stats: p.blocks.iter().map(block_stats).collect(),
-            params: p.params.clone(),
-            n_tokens: p.n_tokens,
-            head_dim: p.head_dim,
-            input_dtype: p.input_dtype,
-            external: p.external.map(|(_, fp)| fp),
+        let p = read_layer(&bytes)?;
+        let (stats, params) = (p.blocks.iter().map(parsed_stats).collect(), p.params);
+        let (n_tokens, head_dim, input_dtype) = (p.n_tokens, p.head_dim, p.input_dtype);
+        let external = p.external.map(|(_, fp)| fp);
+        Ok(EncodedLayer {
+            stats,
+            params,
+            n_tokens,
+            head_dim,
+            input_dtype,
+            external,
             bytes,
-        }
+        })
     }
 
     /// The wire bytes.
@@ -153,6 +158,16 @@ impl EncodedLayer {
 }
 
 fn block_stats(b: &EncodedBlock) -> BlockStats {
+    BlockStats {
+        n: b.n,
+        d_eff: b.d_eff,
+        k_used: b.body.k_used(),
+        kmeans_iters: b.body.kmeans_iters(),
+        n_outliers: b.body.outliers().len(),
+    }
+}
+
+fn parsed_stats(b: &ParsedBlock<'_>) -> BlockStats {
     BlockStats {
         n: b.n,
         d_eff: b.d_eff,
@@ -252,9 +267,10 @@ pub fn encode_block(
     })
 }
 
-/// Decodes one block into `out` (`n x d`) given its mean and basis rows (empty: identity).
+/// Decodes one block into `out` (`n x d`) given its mean and basis rows (empty: identity),
+/// and checks that every value is finite.
 pub fn decode_block(
-    b: &EncodedBlock,
+    b: &ParsedBlock<'_>,
     d: usize,
     p: &CodecParams,
     mean: &[f32],
@@ -269,10 +285,24 @@ pub fn decode_block(
         ));
     }
     let coeffs = match &b.body {
-        BlockBody::Uniform(u) => uniform::decode(u, n, d_eff, p)?,
-        BlockBody::Waterfill(w) => waterfill::decode(w, n, d_eff, p),
+        // Identity basis: the mean goes into the tables and the rows straight into `out`;
+        // the kernel bounds every value it writes.
+        ParsedBody::Waterfill(w) if basis.is_empty() => {
+            return waterfill::decode_into(w, n, d_eff, p.metric, Some(mean), out);
+        }
+        ParsedBody::Waterfill(w) => {
+            let mut c = vec![0.0f32; n * d_eff];
+            waterfill::decode_into(w, n, d_eff, p.metric, None, &mut c)?;
+            c
+        }
+        ParsedBody::Uniform(u) => uniform::decode(u, n, d_eff, p)?,
     };
     unproject(&coeffs, n, d, mean, basis, d_eff, out);
+    // (The reader bounds every stored value so that decoding stays finite; this check is
+    // the belt to those braces.)
+    if out.iter().any(|v| !v.is_finite()) {
+        return Err(Error::Format("decoded values are not finite".into()));
+    }
     Ok(())
 }
 
@@ -358,12 +388,29 @@ pub fn encode_layer_with(
 
 /// Decodes a layer into a fresh `n x d` buffer (blocks in parallel).
 pub fn decode_layer(enc: &EncodedLayer) -> Result<Vec<f32>> {
-    decode_bytes(enc.as_bytes(), None).map(|(v, _)| v)
+    decode_bytes(enc.as_bytes(), None)
 }
 
 /// [`decode_layer`] for layers that may need an external basis.
 pub fn decode_layer_with(enc: &EncodedLayer, external: Option<&ExternalBasis>) -> Result<Vec<f32>> {
-    decode_bytes(enc.as_bytes(), external).map(|(v, _)| v)
+    decode_bytes(enc.as_bytes(), external)
+}
+
+/// [`decode_layer_with`] into `out`, which must hold exactly `n_tokens x head_dim` values
+/// (`Error::Shape` otherwise). On error the contents of `out` are unspecified.
+pub fn decode_layer_into(
+    enc: &EncodedLayer,
+    external: Option<&ExternalBasis>,
+    out: &mut [f32],
+) -> Result<()> {
+    let (n, d) = enc.shape();
+    if out.len() != n * d {
+        return Err(Error::Shape(format!(
+            "output holds {} values, the layer decodes to {n} x {d}",
+            out.len()
+        )));
+    }
+    decode_parsed(&read_layer(enc.as_bytes())?, external, out)
 }
 
 /// Checks that decoding `layers` together stays within the decode limit that each layer
@@ -382,15 +429,22 @@ pub fn check_batch_decode(layers: &[&EncodedLayer]) -> Result<()> {
     check_decode_size(decoded, stored, || format!("{} layers", layers.len()))
 }
 
-/// Parses and decodes raw bytes; returns the values and the parsed header.
-pub fn decode_bytes(
-    bytes: &[u8],
-    external: Option<&ExternalBasis>,
-) -> Result<(Vec<f32>, ParsedLayer)> {
+/// Parses and decodes raw bytes into a fresh `n_tokens x head_dim` buffer.
+pub fn decode_bytes(bytes: &[u8], external: Option<&ExternalBasis>) -> Result<Vec<f32>> {
     let parsed = read_layer(bytes)?;
+    let mut out = vec![0.0f32; parsed.n_tokens * parsed.head_dim];
+    decode_parsed(&parsed, external, &mut out)?;
+    Ok(out)
+}
+
+/// Decodes a parsed layer into `out` (`n_tokens x head_dim`), blocks in parallel.
+fn decode_parsed(
+    parsed: &ParsedLayer<'_>,
+    external: Option<&ExternalBasis>,
+    out: &mut [f32],
+) -> Result<()> {
     let d = parsed.head_dim;
-    // (The reader bounds every stored value so that decoding stays finite; the check after
-    // decoding below is the belt to those braces.)
+    debug_assert_eq!(out.len(), parsed.n_tokens * d);
     let ext_rows: Option<&[f32]> = match (parsed.external, external) {
         (None, None) => None,
         (Some((d_eff, fp)), Some(e)) => Some(e.rows_for(d_eff, fp, d)?),
@@ -405,7 +459,6 @@ pub fn decode_bytes(
             ))
         }
     };
-    let mut out = vec![0.0f32; parsed.n_tokens * d];
     let bs = parsed.params.block_size;
     out.par_chunks_mut(bs * d)
         .zip(parsed.blocks.par_iter())
@@ -416,11 +469,7 @@ pub fn decode_bytes(
                 (None, None) => (&b.mean, &b.basis),
             };
             decode_block(b, d, &parsed.params, mean, basis, chunk)
-        })?;
-    if out.iter().any(|v| !v.is_finite()) {
-        return Err(Error::Format("decoded values are not finite".into()));
-    }
-    Ok((out, parsed))
+        })
 }
 
 #[cfg(test)]

@@ -44,8 +44,8 @@ pub mod wht;
 
 pub use basis::{BasisRef, ExternalBasis};
 pub use codec::{
-    check_batch_decode, decode_layer, decode_layer_with, encode_block, encode_layer,
-    encode_layer_with, BlockBody, BlockStats, EncodedBlock, EncodedLayer,
+    check_batch_decode, decode_layer, decode_layer_into, decode_layer_with, encode_block,
+    encode_layer, encode_layer_with, BlockBody, BlockStats, EncodedBlock, EncodedLayer,
 };
 pub use error::{Error, Result};
 pub use params::{Allocation, CodecParams, InputDtype, Metric, PcaMethod, SkeletonDtype};

@@ -15,13 +15,19 @@
 //! The budget is `bits_per_value * D` bits per vector. Scaled coefficients beyond the
 //! outlier threshold are stored exactly in f16 ([`crate::outliers`]). Decoding is
 //! `c_hat_j = g_{b_j} s_j Q^-1(q_j)` with the inner-product gain `g` ([`ip_gain`]) for
-//! `Metric::InnerProduct` and 1 otherwise; components with `b_j = 0` decode to 0.
+//! `Metric::InnerProduct` and 1 otherwise; components with `b_j = 0` decode to 0. The
+//! decoder reads the codes straight from the wire, a table lookup per few components
+//! ([`decode_into`], in `waterfill/decode.rs`).
 
 use half::f16;
 
 use crate::lloyd_max::{self, gaussian_distortion, Codebook};
 use crate::outliers;
-use crate::params::{CodecParams, Metric, MAX_MAGNITUDE};
+use crate::params::{CodecParams, MAX_MAGNITUDE};
+
+mod decode;
+
+pub use decode::{decode_into, WaterfillCodes};
 
 /// Largest number of bits one component may take.
 pub const MAX_COMPONENT_BITS: u8 = 8;
@@ -82,7 +88,7 @@ pub struct WaterfillBody {
 }
 
 /// The Gaussian codebook of `bits` in 1..=8.
-fn book(bits: u8) -> &'static Codebook {
+pub(crate) fn book(bits: u8) -> &'static Codebook {
     lloyd_max::gaussian(bits).expect("1..=8 bits")
 }
 
@@ -139,52 +145,18 @@ pub fn encode(
     }
 }
 
-/// The `n x d_eff` coefficients of a body.
-pub fn decode(b: &WaterfillBody, n: usize, d_eff: usize, p: &CodecParams) -> Vec<f32> {
-    let sig: Vec<f32> = b.sigma.iter().map(|s| s.to_f32()).collect();
-    // Level tables pre-multiplied by sigma (and the inner-product gain).
-    let tables: Vec<Vec<f32>> = b
-        .comp_bits
-        .iter()
-        .zip(&sig)
-        .map(|(&bits, &s)| {
-            if bits == 0 {
-                return Vec::new();
-            }
-            let g = if p.metric == Metric::InnerProduct {
-                ip_gain(bits)
-            } else {
-                1.0
-            };
-            book(bits).levels().iter().map(|&l| l * s * g).collect()
-        })
-        .collect();
-    let mut coeffs = vec![0.0f32; n * d_eff];
-    let mut k = 0;
-    for row in coeffs.chunks_exact_mut(d_eff) {
-        for (c, t) in row.iter_mut().zip(&tables) {
-            if !t.is_empty() {
-                *c = t[b.codes[k] as usize];
-                k += 1;
-            }
-        }
-    }
-    for &(pos, val) in &b.outliers {
-        let j = pos as usize % d_eff;
-        coeffs[pos as usize] = val.to_f32() * sig[j];
-    }
-    coeffs
-}
-
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
 
     use super::*;
     use crate::codec::{decode_layer, encode_layer, encode_layer_with, EncodedLayer};
-    use crate::params::{InputDtype, PcaMethod};
+    use crate::params::{InputDtype, Metric, PcaMethod};
     use crate::stages::rel_err;
-    use crate::test_data::{assert_corruption_is_rejected, kv_like, roundtrip, waterfill};
+    use crate::test_data::{
+        assert_corruption_is_rejected, assert_resealed_corruption_is_safe, kv_like, roundtrip,
+        waterfill,
+    };
 
     #[test]
     fn high_variance_components_get_more_bits() {
@@ -306,9 +278,14 @@ mod tests {
             outlier_threshold: 2.5,
             ..waterfill(1.7)
         };
-        for ext in [None, Some(&basis)] {
-            let enc = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, ext).unwrap();
+        let identity = CodecParams {
+            pca_method: PcaMethod::None,
+            ..p.clone()
+        };
+        for (ext, p) in [(None, &p), (Some(&basis), &p), (None, &identity)] {
+            let enc = encode_layer_with(&x, n, d, None, p, InputDtype::F32, ext).unwrap();
             assert_corruption_is_rejected(enc.as_bytes(), 3);
+            assert_resealed_corruption_is_safe(enc.as_bytes(), ext, 4);
         }
     }
 

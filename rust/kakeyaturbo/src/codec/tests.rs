@@ -2,7 +2,10 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::stages::rel_err;
-use crate::test_data::{assert_corruption_is_rejected, kv_like, roundtrip, total_outliers};
+use crate::test_data::{
+    assert_corruption_is_rejected, assert_resealed_corruption_is_safe, kv_like, roundtrip,
+    total_outliers,
+};
 
 #[test]
 fn deterministic_for_fixed_seed_and_seed_matters() {
@@ -100,6 +103,33 @@ fn bad_input_is_rejected() {
 }
 
 #[test]
+fn decode_into_matches_decode_and_checks_the_length() {
+    let (n, d) = (700, 16);
+    let x = kv_like(n, d, 11);
+    for p in [
+        CodecParams {
+            block_size: 256,
+            ..Default::default()
+        },
+        CodecParams {
+            block_size: 256,
+            allocation: crate::params::Allocation::Waterfill,
+            pca_method: crate::params::PcaMethod::None,
+            k: 0,
+            bits_per_value: 2.5,
+            ..Default::default()
+        },
+    ] {
+        let (y, enc) = roundtrip(&x, n, d, &p);
+        let mut out = vec![f32::NAN; n * d];
+        decode_layer_into(&enc, None, &mut out).unwrap();
+        assert_eq!(out, y);
+        let e = decode_layer_into(&enc, None, &mut out[1..]).unwrap_err();
+        assert!(matches!(e, Error::Shape(_)), "{e:?}");
+    }
+}
+
+#[test]
 fn corrupt_bytes_never_panic() {
     let (n, d) = (300, 16);
     let x = kv_like(n, d, 10);
@@ -109,6 +139,7 @@ fn corrupt_bytes_never_panic() {
     };
     let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
     assert_corruption_is_rejected(enc.as_bytes(), 1);
+    assert_resealed_corruption_is_safe(enc.as_bytes(), None, 2);
 }
 
 proptest! {

@@ -43,7 +43,7 @@ pub mod codes;
 mod reader;
 mod writer;
 
-pub use reader::{read_layer, ParsedBlock, ParsedLayer};
+pub use reader::{read_layer, ParsedBlock, ParsedBody, ParsedLayer};
 pub use writer::write_layer;
 
 use crate::error::{Error, Result};

@@ -1,5 +1,10 @@
 //! Parses an encoded layer, treating every byte as hostile: each count is checked against
 //! its limit and against the bytes left *before* anything is allocated for it.
+//!
+//! The parse borrows from the bytes: side values (means, bases, scales, outliers) are
+//! decoded and checked, and a water-filled block's codes stay packed (their length and
+//! padding checked), to be read straight from the wire by [`crate::waterfill::decode_into`].
+//! Uniform blocks are unpacked here.
 
 use half::{bf16, f16};
 
@@ -8,8 +13,7 @@ use super::{
     check_decode_size, BLOCK_HEADER_LEN, CRC_LEN, FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS,
     HEADER_LEN, KNOWN_FLAGS, MAGIC, MAX_TOKENS, READABLE_VERSIONS,
 };
-use crate::bitpack::{packed_len, unpack, BitReader};
-use crate::codec::{BlockBody, EncodedBlock};
+use crate::bitpack::{packed_len, unpack};
 use crate::error::{Error, Result};
 use crate::kmeans::{label_bits, SkeletonCodes};
 use crate::params::{
@@ -18,7 +22,7 @@ use crate::params::{
 };
 use crate::pca::SharedBasis;
 use crate::uniform::UniformBody;
-use crate::waterfill::{coded_widths, WaterfillBody, MAX_COMPONENT_BITS};
+use crate::waterfill::{WaterfillCodes, MAX_COMPONENT_BITS};
 use crate::wht::padded_len;
 
 /// Largest |mean| accepted (the encoder's own input limit).
@@ -28,12 +32,57 @@ const UNIT_LIMIT: f32 = 1.01;
 /// Largest |calibrated centroid| (they live in units of the scaled coordinates, ~N(0, 1)).
 const CENTROID_LIMIT: f32 = 1_000.0;
 
-/// A block as read from the wire (codes unpacked).
-pub type ParsedBlock = EncodedBlock;
+/// A block as read from the wire.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedBlock<'a> {
+    /// Vectors in the block.
+    pub n: usize,
+    /// Kept PCA components.
+    pub d_eff: usize,
+    /// Block mean (empty with a shared basis).
+    pub mean: Vec<f32>,
+    /// Block basis rows (empty with a shared or external basis, or `pca_method = none`).
+    pub basis: Vec<f32>,
+    /// The coded coefficients; the variant follows the layer's [`Allocation`].
+    pub body: ParsedBody<'a>,
+}
 
-/// A fully validated layer.
+/// A block body as read from the wire.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ParsedBody<'a> {
+    /// Skeleton, scales and codes, unpacked.
+    Uniform(UniformBody),
+    /// Component scales and bits, codes still packed.
+    Waterfill(WaterfillCodes<'a>),
+}
+
+impl ParsedBody<'_> {
+    /// k-means centres stored (0 for water-filled blocks).
+    pub fn k_used(&self) -> usize {
+        match self {
+            ParsedBody::Uniform(u) => u.skeleton.k_used,
+            ParsedBody::Waterfill(_) => 0,
+        }
+    }
+    /// k-means iterations run (0 for water-filled blocks).
+    pub fn kmeans_iters(&self) -> u32 {
+        match self {
+            ParsedBody::Uniform(u) => u.skeleton.iters,
+            ParsedBody::Waterfill(_) => 0,
+        }
+    }
+    /// Exactly stored coordinates, `(flat position, value)`, positions ascending.
+    pub fn outliers(&self) -> &[(u32, f16)] {
+        match self {
+            ParsedBody::Uniform(u) => &u.outliers,
+            ParsedBody::Waterfill(w) => &w.outliers,
+        }
+    }
+}
+
+/// A fully validated layer, borrowing the bytes it was read from.
 #[derive(Debug, Clone)]
-pub struct ParsedLayer {
+pub struct ParsedLayer<'a> {
     /// The parameters the layer was encoded with.
     pub params: CodecParams,
     /// Number of vectors.
@@ -47,7 +96,7 @@ pub struct ParsedLayer {
     /// `(d_eff, fingerprint)` of the caller-supplied basis the layer needs, if any.
     pub external: Option<(usize, u64)>,
     /// The blocks in token order.
-    pub blocks: Vec<ParsedBlock>,
+    pub blocks: Vec<ParsedBlock<'a>>,
 }
 
 fn bad<T>(msg: impl Into<String>) -> Result<T> {
@@ -147,7 +196,7 @@ fn finite(vals: &[f32], what: &str) -> Result<()> {
 }
 
 /// Parses and validates a whole layer.
-pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
+pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer<'_>> {
     if bytes.len() < 8 {
         return Err(Error::Truncated {
             needed: HEADER_LEN + CRC_LEN,
@@ -348,10 +397,12 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer> {
             kmeans_iters: kmeans_iters as u32,
         };
         let block_body = match params.allocation {
-            Allocation::Uniform => BlockBody::Uniform(read_uniform_body(&mut c, &h, s, bit_width)?),
-            Allocation::Waterfill => BlockBody::Waterfill(read_waterfill_body(&mut c, &h)?),
+            Allocation::Uniform => {
+                ParsedBody::Uniform(read_uniform_body(&mut c, &h, s, bit_width)?)
+            }
+            Allocation::Waterfill => ParsedBody::Waterfill(read_waterfill_body(&mut c, &h)?),
         };
-        blocks.push(EncodedBlock {
+        blocks.push(ParsedBlock {
             n,
             d_eff,
             mean,
@@ -431,8 +482,8 @@ fn read_uniform_body(
     })
 }
 
-/// Component scales and bits, variable-width codes and outliers.
-fn read_waterfill_body(c: &mut Cursor<'_>, h: &BlockHeader) -> Result<WaterfillBody> {
+/// Component scales and bits, variable-width codes (left packed) and outliers.
+fn read_waterfill_body<'a>(c: &mut Cursor<'a>, h: &BlockHeader) -> Result<WaterfillCodes<'a>> {
     let (n, d_eff, bi) = (h.n, h.d_eff, h.index);
     if h.k_used != 0 || h.kmeans_iters != 0 {
         return bad(format!("block {bi}: water-filled blocks have no skeleton"));
@@ -448,18 +499,18 @@ fn read_waterfill_body(c: &mut Cursor<'_>, h: &BlockHeader) -> Result<WaterfillB
             "block {bi}: component bit count above {MAX_COMPONENT_BITS}"
         ));
     }
-    let coded = coded_widths(&comp_bits);
-    let per_vector: usize = coded.iter().map(|&v| v as usize).sum();
-    let raw = c.take((n * per_vector).div_ceil(8))?;
-    let mut r = BitReader::new(raw);
-    let mut codes = Vec::with_capacity(n * coded.len());
-    for _ in 0..n {
-        for &bits in &coded {
-            codes.push(r.get(bits)?);
-        }
+    // Every code of b bits indexes one of 2^b levels, so only the stream's length and its
+    // padding need checking (n <= MAX_BLOCK_SIZE and per_vector <= 8 x MAX_HEAD_DIM).
+    let per_vector: usize = comp_bits.iter().map(|&v| v as usize).sum();
+    let total = n * per_vector;
+    let codes = c.take(total.div_ceil(8))?;
+    if codes
+        .last()
+        .is_some_and(|&last| !total.is_multiple_of(8) && last >> (total % 8) != 0)
+    {
+        return bad("bit stream has trailing or non-zero padding bits");
     }
-    r.finish()?;
-    Ok(WaterfillBody {
+    Ok(WaterfillCodes {
         sigma,
         comp_bits,
         codes,

@@ -1,0 +1,405 @@
+//! Decoding a water-filled block straight from its packed code stream.
+//!
+//! Every vector stores its codes in the same layout: component `j`'s `b_j`-bit code at bit
+//! `o_j = sum_{k<j} b_k` of the vector's run, and vector `i`'s run at bit `i P` of the
+//! block's stream (`P = sum_j b_j`, LSB first). So a block is decoded by a small *program*,
+//! built once from `b_j` and `s_j`, and run on each vector:
+//! - a **lane** covers 1 to [`LANE_VALUES`] consecutive components whose codes together
+//!   take at most [`JOINT_BITS`] bits (or one component of any width, with any zero-width
+//!   components after it). Its table has one entry per joint code, and each entry holds the
+//!   lane's output values with the mean, `s_j` and the gain folded in: decoding a lane is
+//!   one shift, one mask, one 16-byte load and one 16-byte store.
+//! - lanes go [`CHUNK_LANES`] to a **chunk**: seven lanes of at most 8 bits take at most
+//!   56 bits, so one unaligned 64-bit peek at the chunk's first byte (shift <= 7) holds
+//!   all of their codes.
+//!
+//! A lane always stores [`LANE_VALUES`] values; the next lane of the row overwrites the
+//! unused ones. Past the row's last lane (and from the lanes that pad the last chunk) up
+//! to `LANE_VALUES` values spill beyond the row: into the next row, decoded afterwards, or
+//! for the last rows into a scratch row. Each row is decoded through a window of a fixed
+//! (power-of-two) length, so that the stores need no bounds checks. Every value written
+//! is a copy of a per-component value `m_j + Q^-1(q) s_j g`, computed exactly as the
+//! direct formula does, so the output is bit-identical to it.
+//!
+//! Nothing here trusts the block: the tables cover every code a width can hold, the
+//! stream's length is checked against `n P`, a peek past its end reads zeros, and each
+//! component's values and each outlier are checked finite before use.
+
+use half::f16;
+
+use super::{book, ip_gain, MAX_COMPONENT_BITS};
+use crate::bitpack::peek_u64;
+use crate::error::{Error, Result};
+use crate::params::Metric;
+
+/// Output values one lane stores (one 16-byte entry; the table build below spells out
+/// all four).
+const LANE_VALUES: usize = 4;
+/// Lanes read from one 64-bit peek (7 lanes x 8 bits + a shift of up to 7 < 64).
+const CHUNK_LANES: usize = 7;
+/// Widest joint code of a lane of several coded components (64 entries, 1 KiB).
+const JOINT_BITS: u32 = 6;
+/// Blocks with fewer vectors than this join only zero-width components: their tables
+/// would cost more to build than the vectors to decode.
+const JOINT_MIN_VECTORS: usize = 32;
+
+/// A water-filled block body as read from the wire: the side values decoded, the codes
+/// left packed. [`decode_into`] reads each code straight from the packed stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WaterfillCodes<'a> {
+    /// Per-component scale `s_j` (finite, >= 0).
+    pub sigma: Vec<f16>,
+    /// Bits per component `b_j`, 0..=8.
+    pub comp_bits: Vec<u8>,
+    /// The packed code stream of the block: `n x sum_j b_j` bits, zero-padded to a byte
+    /// (the reader has checked its length and its padding).
+    pub codes: &'a [u8],
+    /// `(position i * d_eff + j, value)` of exactly stored scaled coefficients, ascending,
+    /// every position below `n * d_eff`.
+    pub outliers: Vec<(u32, f16)>,
+}
+
+/// One lane of a chunk: where its joint code sits and where its values go.
+#[derive(Debug, Clone, Copy, Default)]
+struct Lane {
+    /// Bit offset of the joint code within the chunk's peek.
+    rel: u32,
+    /// `2^width - 1`.
+    mask: u32,
+    /// First entry of the lane's table.
+    table: u32,
+    /// First component of the lane (its output offset within the row).
+    out: u32,
+}
+
+/// [`CHUNK_LANES`] lanes read from one peek at bit `bit` of the vector's run.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    bit: u32,
+    lanes: [Lane; CHUNK_LANES],
+}
+
+/// The per-block decoding program.
+struct Program {
+    chunks: Vec<Chunk>,
+    table: Vec<[f32; LANE_VALUES]>,
+    /// Bits per vector, `P`.
+    per_vector: usize,
+}
+
+impl Program {
+    /// Builds the program; `values[offsets[j]..][..2^b_j]` are component `j`'s outputs
+    /// by code.
+    fn new(bits: &[u8], joint_bits: u32, values: &[f32], offsets: &[usize]) -> Program {
+        let d = bits.len();
+        // Entry 0 is all zeros: the padding lanes of the last chunk read it.
+        let mut table = vec![[0.0f32; LANE_VALUES]];
+        let mut lanes = Vec::with_capacity(d);
+        let (mut j, mut bit) = (0usize, 0u32);
+        while j < d {
+            let (mut count, mut width) = (1usize, bits[j] as u32);
+            while count < LANE_VALUES && j + count < d {
+                let b = bits[j + count] as u32;
+                if b > 0 && width + b > joint_bits {
+                    break;
+                }
+                width += b;
+                count += 1;
+            }
+            lanes.push(Lane {
+                rel: bit,
+                mask: (1u32 << width) - 1,
+                table: table.len() as u32,
+                out: j as u32,
+            });
+            // Entry `code` holds, in slot k, component j + k's value for its bits of
+            // `code` (the first component's bits lowest): an odometer over the
+            // components' values, the first one fastest. Unused slots hold 0.
+            let vals = |k: usize| -> &[f32] {
+                if k < count {
+                    &values[offsets[j + k]..][..1 << bits[j + k]]
+                } else {
+                    &[0.0]
+                }
+            };
+            table.reserve(1 << width);
+            for &v3 in vals(3) {
+                for &v2 in vals(2) {
+                    for &v1 in vals(1) {
+                        table.extend(vals(0).iter().map(|&v0| [v0, v1, v2, v3]));
+                    }
+                }
+            }
+            bit += width;
+            j += count;
+        }
+        let pad = Lane {
+            out: d as u32,
+            ..Lane::default()
+        };
+        let chunks = lanes
+            .chunks(CHUNK_LANES)
+            .map(|group| {
+                let start = group[0].rel;
+                let mut lanes = [pad; CHUNK_LANES];
+                for (l, g) in lanes.iter_mut().zip(group) {
+                    *l = Lane {
+                        rel: g.rel - start,
+                        ..*g
+                    };
+                }
+                Chunk { bit: start, lanes }
+            })
+            .collect();
+        Program {
+            chunks,
+            table,
+            per_vector: bit as usize,
+        }
+    }
+
+    /// Decodes `n` vectors of `d` values into `out` (`n x d`), with the window length
+    /// picked for `d` (`P`: the power of two above `d`, `d <= 8191`).
+    fn run_rows(&self, codes: &[u8], n: usize, d: usize, out: &mut [f32]) -> Result<()> {
+        macro_rules! by_width {
+            ($($p:literal)*) => {
+                match (d + 1).next_power_of_two().max(4) {
+                    $($p => self.rows::<{ 2 * $p }>(codes, n, d, out),)*
+                    _ => return Err(Error::Format(format!("d_eff {d} beyond the limit"))),
+                }
+            };
+        }
+        by_width!(4 8 16 32 64 128 256 512 1024 2048 4096 8192);
+        Ok(())
+    }
+
+    /// [`Program::run_rows`] through windows of `W = 2P` values: each row is decoded in
+    /// place in a window that starts at the row (the spill past the row lands in the rows
+    /// after it, decoded later); the last rows, without `W` values left, go through a
+    /// scratch window.
+    fn rows<const W: usize>(&self, codes: &[u8], n: usize, d: usize, out: &mut [f32]) {
+        let mut scratch = Vec::new();
+        for i in 0..n {
+            let (at, start) = (i * d, i * self.per_vector);
+            let window = out.get_mut(at..at.saturating_add(W));
+            match window.and_then(|w| <&mut [f32; W]>::try_from(w).ok()) {
+                Some(w) => self.run(codes, start, w),
+                None => {
+                    scratch.resize(W, 0.0);
+                    let w = <&mut [f32; W]>::try_from(&mut scratch[..]).expect("W values");
+                    self.run(codes, start, w);
+                    out[at..at + d].copy_from_slice(&w[..d]);
+                }
+            }
+        }
+    }
+
+    /// Decodes the vector whose run starts at bit `start` into `row[..d]`, and up to
+    /// [`LANE_VALUES`] values of spill after it. Lane offsets are at most `d < W/2`, so
+    /// masking them with `W/2 - 1` changes nothing and bounds every store (the compiler
+    /// drops the check).
+    #[inline(always)]
+    fn run<const W: usize>(&self, codes: &[u8], start: usize, row: &mut [f32; W]) {
+        for ch in &self.chunks {
+            let p = start + ch.bit as usize;
+            let word = peek_u64(codes, p >> 3) >> (p & 7);
+            for l in &ch.lanes {
+                let code = (word >> l.rel) as u32 & l.mask;
+                let entry = &self.table[(l.table + code) as usize];
+                let o = l.out as usize & (W / 2 - 1);
+                row[o..o + LANE_VALUES].copy_from_slice(entry);
+            }
+        }
+    }
+}
+
+/// Decodes `n` vectors of `d_eff` values into `out` (`n x d_eff`).
+///
+/// With `mean = Some(m)` (the identity basis, `d_eff = D`) the output is the reconstruction
+/// `m_j + c_hat_j`; with `None` it is the coefficients `c_hat_j` (for a basis to map back).
+/// The values are bit-identical to computing `c_hat_j = Q^-1(q_j) s_j g` (0 for `b_j = 0`,
+/// `s_j` times the stored value for an outlier) and then adding `m_j`.
+///
+/// Every output value is a table value or an outlier value, and both are checked here, so
+/// success guarantees finite output; non-finite values are an `Error::Format`, and so are
+/// sections that disagree with `n` and `d_eff`.
+pub fn decode_into(
+    b: &WaterfillCodes<'_>,
+    n: usize,
+    d_eff: usize,
+    metric: Metric,
+    mean: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<()> {
+    let shape_ok = d_eff > 0
+        && b.sigma.len() == d_eff
+        && b.comp_bits.len() == d_eff
+        && out.len() == n * d_eff
+        && mean.is_none_or(|m| m.len() == d_eff);
+    if !shape_ok || b.comp_bits.iter().any(|&v| v > MAX_COMPONENT_BITS) {
+        return Err(Error::Format(
+            "water-filled block sections disagree with its shape".into(),
+        ));
+    }
+    let fold = |j: usize, c: f32| match mean {
+        Some(m) => m[j] + c,
+        None => c,
+    };
+    // Per component, its output for each code: `m_j + l s_j g` (`m_j + 0` without bits).
+    let mut offsets = Vec::with_capacity(d_eff);
+    let mut values = Vec::new();
+    for (j, (&bits, s)) in b.comp_bits.iter().zip(&b.sigma).enumerate() {
+        offsets.push(values.len());
+        if bits == 0 {
+            values.push(fold(j, 0.0));
+        } else {
+            let (s, g) = (s.to_f32(), gain(metric, bits));
+            values.extend(book(bits).levels().iter().map(|&l| fold(j, l * s * g)));
+        }
+    }
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err(not_finite());
+    }
+    let joint = if n >= JOINT_MIN_VECTORS {
+        JOINT_BITS
+    } else {
+        0
+    };
+    let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
+    if n.checked_mul(prog.per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
+        return Err(Error::Format(
+            "water-filled code stream has the wrong length".into(),
+        ));
+    }
+    prog.run_rows(b.codes, n, d_eff, out)?;
+    for &(pos, val) in &b.outliers {
+        let (pos, j) = (pos as usize, pos as usize % d_eff);
+        let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
+        match out.get_mut(pos) {
+            Some(o) if v.is_finite() => *o = v,
+            Some(_) => return Err(not_finite()),
+            None => return Err(Error::Format("outlier position out of range".into())),
+        }
+    }
+    Ok(())
+}
+
+/// The decoding gain of a `bits`-bit component under `metric`.
+fn gain(metric: Metric, bits: u8) -> f32 {
+    if metric == Metric::InnerProduct {
+        ip_gain(bits)
+    } else {
+        1.0
+    }
+}
+
+fn not_finite() -> Error {
+    Error::Format("decoded values are not finite".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::bitpack::{BitReader, BitWriter};
+
+    /// The direct formula, code by code: `c_hat_j = Q^-1(q_j) s_j g`, outliers, then `+ m_j`.
+    fn reference(
+        b: &WaterfillCodes<'_>,
+        n: usize,
+        d: usize,
+        metric: Metric,
+        mean: Option<&[f32]>,
+    ) -> Vec<f32> {
+        let mut c = vec![0.0f32; n * d];
+        let mut r = BitReader::new(b.codes);
+        for row in c.chunks_exact_mut(d) {
+            for (j, v) in row.iter_mut().enumerate() {
+                let bits = b.comp_bits[j];
+                if bits > 0 {
+                    let q = r.get(bits as u32).unwrap();
+                    let s = b.sigma[j].to_f32();
+                    *v = book(bits).levels()[q as usize] * s * gain(metric, bits);
+                }
+            }
+        }
+        r.finish().unwrap();
+        for &(pos, val) in &b.outliers {
+            c[pos as usize] = val.to_f32() * b.sigma[pos as usize % d].to_f32();
+        }
+        if let Some(m) = mean {
+            for row in c.chunks_exact_mut(d) {
+                for (v, &m) in row.iter_mut().zip(m) {
+                    *v += m;
+                }
+            }
+        }
+        c
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// Random widths (0..=8, runs of zeros included), scales, codes, outliers, both
+        /// metrics, with and without a mean: the program matches the direct formula bit
+        /// for bit.
+        #[test]
+        fn program_matches_the_direct_formula(
+            n in 1usize..80,
+            bits in proptest::collection::vec(prop_oneof![Just(0u8), 0u8..=8], 1..40),
+            seed in any::<u64>(),
+            ip in any::<bool>(),
+            with_mean in any::<bool>(),
+        ) {
+            let d = bits.len();
+            let mut g = crate::rng::SplitMix64::new(seed, 1);
+            let sigma: Vec<f16> = (0..d).map(|_| f16::from_f64(g.normal().abs() * 3.0)).collect();
+            let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32 * 10.0).collect();
+            let mut w = BitWriter::new();
+            for _ in 0..n {
+                for &b in &bits {
+                    w.put((g.below(1 << b)) as u16, b as u32);
+                }
+            }
+            let codes = w.finish();
+            let mut outliers = Vec::new();
+            for pos in 0..n * d {
+                if g.below(20) == 0 {
+                    outliers.push((pos as u32, f16::from_f64(g.normal() * 8.0)));
+                }
+            }
+            let body = WaterfillCodes { sigma, comp_bits: bits, codes: &codes, outliers };
+            let metric = if ip { Metric::InnerProduct } else { Metric::Mse };
+            let mean = with_mean.then_some(&mean[..]);
+            let mut out = vec![f32::NAN; n * d];
+            decode_into(&body, n, d, metric, mean, &mut out).unwrap();
+            let want = reference(&body, n, d, metric, mean);
+            let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            prop_assert!(same, "{:?}\nvs\n{:?}", out, want);
+        }
+    }
+
+    #[test]
+    fn wrong_lengths_are_format_errors() {
+        let codes = [0u8; 3];
+        let body = WaterfillCodes {
+            sigma: vec![f16::ONE; 3],
+            comp_bits: vec![2, 0, 2],
+            codes: &codes,
+            outliers: vec![],
+        };
+        let mut out = vec![0.0f32; 6 * 3];
+        // 6 vectors x 4 bits need 3 bytes; 4 vectors (2 bytes) or a short output do not fit.
+        assert!(decode_into(&body, 6, 3, Metric::Mse, None, &mut out).is_ok());
+        let e = decode_into(&body, 4, 3, Metric::Mse, None, &mut out[..12]).unwrap_err();
+        assert!(e.is_format_error());
+        let e = decode_into(&body, 6, 3, Metric::Mse, None, &mut out[..15]).unwrap_err();
+        assert!(e.is_format_error());
+        let far = WaterfillCodes {
+            outliers: vec![(18, f16::ONE)],
+            ..body.clone()
+        };
+        let e = decode_into(&far, 6, 3, Metric::Mse, None, &mut out).unwrap_err();
+        assert!(e.is_format_error());
+    }
+}
