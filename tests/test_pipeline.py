@@ -201,3 +201,15 @@ def test_recipe_and_pipeline_reject_bad_input():
     with pytest.raises(ValueError, match="need the model's RoPE"):
         pipe.encode(torch.ones(1, 1, 8, 64), 0, "k", positions=torch.zeros(1, 8, dtype=torch.int32))
     assert isinstance(default_recipe().k, kt.CodecParams)
+    big = torch.full((1, 1, 8, 64), 1e4)  # norm 8e4: beyond float16, where norms are stored
+    with pytest.raises(ValueError, match="exceeds float16"):
+        pipe.encode(big, 0, "v")
+    assert pipe.encode(big, 0, "k")  # keys carry no token norms by default
+
+
+def test_newest_tokens_get_their_own_blocks_only_when_they_get_more_bits():
+    x = _kv(b=1, t=600, seed=5)
+    blocks = Pipeline(default_recipe()).encode(x, 0, "v", newer=0)
+    assert [b.tokens for b in blocks] == [512, 24, 64]  # the newest 64 apart, at +3 bits
+    flat = default_recipe().replace(recent_bits=0.0)
+    assert [b.tokens for b in Pipeline(flat).encode(x, 0, "v", newer=0)] == [512, 88]

@@ -169,11 +169,20 @@ class Pipeline:
         t = y.shape[2]
         norms = None
         if self.recipe.token_norms(stream):
-            norms = y.norm(dim=-1).half()
+            full = y.norm(dim=-1)
+            if bool((full > torch.finfo(torch.float16).max).any()):
+                raise ValueError(
+                    f"layer {layer} {stream}: a token's norm {float(full.max()):.4g} exceeds "
+                    "float16's range (65504), where token norms are stored; code this stream "
+                    f"without token norms ({stream}_token_norms=False)"
+                )
+            norms = full.half()
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
         params = self.recipe.params(layer, stream)
-        recent = 0 if newer is None else min(max(self.recipe.recent_tokens - newer, 0), t)
+        recent = 0
+        if newer is not None and self.recipe.recent_bits > 0:
+            recent = min(max(self.recipe.recent_tokens - newer, 0), t)
         blocks = _code_blocks(y[:, :, : t - recent], norms, 0, params, bs, layer, stream)
         if recent:
             bits = min(params.bits_per_value + self.recipe.recent_bits, MAX_BITS)
@@ -200,7 +209,7 @@ class Pipeline:
             j = i
             while j < len(blocks) and blocks[j].tokens == blocks[i].tokens:
                 j += 1
-            parts.extend(_decode_run(blocks[i:j], rows))
+            parts.append(_decode_run(blocks[i:j], rows))
             i = j
         y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         if self.recipe.token_norms(stream):
@@ -208,7 +217,8 @@ class Pipeline:
             # Each token gets exactly its stored norm back: the quantiser's reconstruction
             # shrinks towards the mean, and shrunken keys flatten every softmax (a systematic
             # perplexity rise that a small MSE hides).
-            y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12) * norms.float()[..., None]
+            # (y is this call's own buffer: scaled in place.)
+            y.mul_((norms.float() / y.norm(dim=-1).clamp_min(1e-12))[..., None])
         return self._from_frame(y, layer, stream, positions)
 
     def roundtrip(
@@ -315,11 +325,13 @@ def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:
         raise ValueError(f"layer {layer} {stream}: {exc}") from None
 
 
-def _decode_run(blocks: list[CodedBlock], rows: int) -> list[torch.Tensor]:
-    """Decode equally long blocks in one call -> one [rows, H, tokens, D] tensor per block."""
-    encs = [e for blk in blocks for e in blk.encs]
+def _decode_run(blocks: list[CodedBlock], rows: int) -> torch.Tensor:
+    """Decode equally long blocks in one call -> [rows, H, n_blocks * tokens, D]: the streams
+    are handed over stream-major (each (row, head) stream's blocks in token order), so the
+    decoded array is already in that layout and needs no concatenation."""
+    streams = len(blocks[0].encs)
+    encs = [blk.encs[s] for s in range(streams) for blk in blocks]
     out = _codec.decode_batch(encs)
     y = torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
     n, t, d = len(blocks), blocks[0].tokens, y.shape[-1]
-    y = y.float().reshape(n, rows, -1, t, d)
-    return [y[j] for j in range(n)]
+    return y.float().reshape(rows, streams // rows, n * t, d)

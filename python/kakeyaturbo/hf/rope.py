@@ -35,12 +35,11 @@ class RotarySpec:
     def _cos_sin(
         self, positions: torch.Tensor, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] integer -> cos, sin: [B, 1, T, rot_dim] float32
+        # positions: [B, T] integer -> cos, sin of each pair's angle: [B, 1, T, rot_dim // 2]
         freqs = positions.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(
             device
         )
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None], emb.sin()[:, None]
+        return freqs.cos()[:, None], freqs.sin()[:, None]
 
     def _apply(self, x: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
         if x.dim() != 4:
@@ -51,18 +50,18 @@ class RotarySpec:
             raise ValueError(
                 f"positions {tuple(positions.shape)} do not match keys {tuple(x.shape)}"
             )
-        cos, sin = self._cos_sin(positions, x.device)
+        c, s_ = self._cos_sin(positions, x.device)
+        s_ = s_ * sign  # exact: sign is +-1
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
         half = self.rot_dim // 2
         if self.adjacent_pairs:
             # Pair (2i, 2i+1) turns by angle p * w_i: the same rotation, other channel order.
-            c, s_ = cos[..., :half], sin[..., :half]
             even, odd = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((even * c - sign * odd * s_, odd * c + sign * even * s_), dim=-1)
-            out = out.flatten(-2)
-            return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
-        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + sign * rotated_half * sin
+            out = torch.stack((even * c - odd * s_, odd * c + even * s_), dim=-1).flatten(-2)
+        else:
+            # Pair (i, i + d/2): k * cos + rotate_half(k) * sin, on the halves directly.
+            first, second = rot[..., :half], rot[..., half:]
+            out = torch.cat((first * c - second * s_, second * c + first * s_), dim=-1)
         return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

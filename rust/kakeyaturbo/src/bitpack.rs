@@ -191,18 +191,27 @@ mod tests {
         }
     }
 
+    /// `(width, value)` items cut to their widths, and the bytes a `BitWriter` makes of them.
+    fn written(items: Vec<(u32, u16)>) -> (Vec<(u32, u16)>, Vec<u8>) {
+        let cut = |b: u32, v: u16| {
+            if b == 16 {
+                v
+            } else {
+                (v as u32 & ((1u32 << b) - 1)) as u16
+            }
+        };
+        let items: Vec<(u32, u16)> = items.into_iter().map(|(b, v)| (b, cut(b, v))).collect();
+        let mut w = BitWriter::new();
+        for &(b, v) in &items {
+            w.put(v, b);
+        }
+        (items, w.finish())
+    }
+
     proptest! {
         #[test]
         fn varwidth_roundtrip(items in proptest::collection::vec((0u32..=16, any::<u16>()), 0..200)) {
-            let items: Vec<(u32, u16)> = items
-                .into_iter()
-                .map(|(b, v)| (b, if b == 16 { v } else { (v as u32 & ((1u32 << b) - 1)) as u16 }))
-                .collect();
-            let mut w = BitWriter::new();
-            for &(b, v) in &items {
-                w.put(v, b);
-            }
-            let bytes = w.finish();
+            let (items, bytes) = written(items);
             let total: u32 = items.iter().map(|i| i.0).sum();
             prop_assert_eq!(bytes.len(), (total as usize).div_ceil(8));
             let mut r = BitReader::new(&bytes);
@@ -218,15 +227,7 @@ mod tests {
         fn peek_reads_every_offset(
             items in proptest::collection::vec((0u32..=16, any::<u16>()), 0..200),
         ) {
-            let items: Vec<(u32, u16)> = items
-                .into_iter()
-                .map(|(b, v)| (b, if b == 16 { v } else { (v as u32 & ((1u32 << b) - 1)) as u16 }))
-                .collect();
-            let mut w = BitWriter::new();
-            for &(b, v) in &items {
-                w.put(v, b);
-            }
-            let bytes = w.finish();
+            let (items, bytes) = written(items);
             let mut p = 0usize;
             for &(b, v) in &items {
                 let got = (peek_u64(&bytes, p / 8) >> (p % 8)) & ((1u64 << b) - 1);
