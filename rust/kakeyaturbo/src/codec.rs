@@ -167,13 +167,19 @@ fn block_stats(b: &EncodedBlock) -> BlockStats {
     }
 }
 
+/// The same statistics as [`block_stats`], read from a parsed block: only uniform blocks
+/// carry a skeleton.
 fn parsed_stats(b: &ParsedBlock<'_>) -> BlockStats {
+    let (k_used, kmeans_iters, n_outliers) = match &b.body {
+        ParsedBody::Uniform(u) => (u.skeleton.k_used, u.skeleton.iters, u.outliers.len()),
+        ParsedBody::Waterfill(w) => (0, 0, w.outliers.len()),
+    };
     BlockStats {
         n: b.n,
         d_eff: b.d_eff,
-        k_used: b.body.k_used(),
-        kmeans_iters: b.body.kmeans_iters(),
-        n_outliers: b.body.outliers().len(),
+        k_used,
+        kmeans_iters,
+        n_outliers,
     }
 }
 

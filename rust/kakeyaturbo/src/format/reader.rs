@@ -56,30 +56,6 @@ pub enum ParsedBody<'a> {
     Waterfill(WaterfillCodes<'a>),
 }
 
-impl ParsedBody<'_> {
-    /// k-means centres stored (0 for water-filled blocks).
-    pub fn k_used(&self) -> usize {
-        match self {
-            ParsedBody::Uniform(u) => u.skeleton.k_used,
-            ParsedBody::Waterfill(_) => 0,
-        }
-    }
-    /// k-means iterations run (0 for water-filled blocks).
-    pub fn kmeans_iters(&self) -> u32 {
-        match self {
-            ParsedBody::Uniform(u) => u.skeleton.iters,
-            ParsedBody::Waterfill(_) => 0,
-        }
-    }
-    /// Exactly stored coordinates, `(flat position, value)`, positions ascending.
-    pub fn outliers(&self) -> &[(u32, f16)] {
-        match self {
-            ParsedBody::Uniform(u) => &u.outliers,
-            ParsedBody::Waterfill(w) => &w.outliers,
-        }
-    }
-}
-
 /// A fully validated layer, borrowing the bytes it was read from.
 #[derive(Debug, Clone)]
 pub struct ParsedLayer<'a> {
