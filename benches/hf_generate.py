@@ -245,8 +245,12 @@ def main(argv=None) -> None:
     if all_ids.shape[1] < need:
         raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
     backend, why = quantized_backend(model, all_ids)
-    # What kakeya_factory's caches code with.
-    recipe = KakeyaCache.from_model(model, calibration=args.calibration).recipe
+    calibration = None
+    if args.calibration is not None:  # read once, checked against this model
+        from kakeyaturbo.calibration import Calibration
+
+        calibration = Calibration.load(args.calibration, model)
+    recipe = KakeyaCache(model.config, calibration=calibration).recipe  # what the caches use
     # Ratios are against bf16 KV bytes whatever the model's dtype (a float32 model's
     # DynamicCache holds twice that).
     to_bf16 = 16 / torch.finfo(model.dtype).bits
@@ -275,7 +279,7 @@ def main(argv=None) -> None:
                 budget = (
                     0 if make == 0 else (1 << 40 if make == float("inf") else int(make * dense))
                 )
-                make = kakeya_factory(model, budget, args.calibration)
+                make = kakeya_factory(model, budget, calibration)
             run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
             gen, lp, prefill, tps, nbytes, cache, peak = run(
                 model, ids, make, args.new_tokens, ref
