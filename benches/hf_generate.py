@@ -15,8 +15,11 @@ walking the tensors (and encoded blocks) each cache holds.
 
 KakeyaCache variants (the design choice, see kakeyaturbo/hf/layer.py):
 - `kakeya` (decoded_cache_bytes=0, the default): holds only compressed blocks, the exact hot
-  window and the sinks; every step decodes every block of a layer in one batched, multi-core
-  Rust call (QuantizedCache dequantises everything every step too, in torch).
+  window and the sinks; the model attends over the codes (kakeyaturbo/hf/coded_attention.py):
+  each step decodes a layer's blocks to frame coordinates, keys go through the frame and RoPE,
+  values stay in the frame (applied once per query), nothing decoded is kept.
+- `kakeya(decode-all)` (`--decode-all`, coded_attention=False): every step decodes every block
+  into dense keys and values for sdpa (QuantizedCache dequantises everything every step too).
 - `kakeya+budget=Fxdense`: an explicit decoded-cache budget of F x DynamicCache's bytes. A layer
   whose whole decoded copy fits keeps one contiguous decoded buffer: each block is decoded once,
   the step after it is compressed, new tokens are written in place and attention gets views, so
@@ -186,12 +189,15 @@ def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return top1, kl
 
 
-def kakeya_factory(model, budget_bytes: int, calibration=None):
+def kakeya_factory(model, budget_bytes: int, calibration=None, coded: bool = True):
     from kakeyaturbo.hf import KakeyaCache
 
     def make():
         return KakeyaCache.from_model(
-            model, decoded_cache_bytes=budget_bytes, calibration=calibration
+            model,
+            decoded_cache_bytes=budget_bytes,
+            calibration=calibration,
+            coded_attention=coded,
         )
 
     return make
@@ -220,6 +226,12 @@ def main(argv=None) -> None:
         nargs="+",
         default=[0, 0.5, float("inf")],
         help="KakeyaCache decoded-block budgets as fractions of DynamicCache's KV bytes (0: none)",
+    )
+    ap.add_argument(
+        "--decode-all",
+        action="store_true",
+        help="also time KakeyaCache with coded_attention=False (every step decodes every "
+        "block into dense K/V for sdpa), the design before attention over the codes",
     )
     ap.add_argument(
         "--threads",
@@ -272,14 +284,22 @@ def main(argv=None) -> None:
                     lambda: QuantizedCache(backend=backend, config=model.config, nbits=4),
                 )
             )
-        methods += [("kakeya" if f == 0 else f"kakeya+budget={f:g}xdense", f) for f in args.budgets]
+        methods += [
+            ("kakeya" if f == 0 else f"kakeya+budget={f:g}xdense", (f, True)) for f in args.budgets
+        ]
+        if args.decode_all:
+            methods.append(("kakeya(decode-all)", (0, False)))
         ref = ref_lp = dense = base_tps = None
         for name, make in methods:
-            if not callable(make):  # a decoded budget, as a fraction of DynamicCache's bytes here
+            if callable(make):
+                # Peers run on sdpa (a KakeyaCache switches the model to "kakeya" attention).
+                model.set_attn_implementation("sdpa")
+            else:  # a decoded budget, as a fraction of DynamicCache's bytes here
+                frac, coded = make
                 budget = (
-                    0 if make == 0 else (1 << 40 if make == float("inf") else int(make * dense))
+                    0 if frac == 0 else (1 << 40 if frac == float("inf") else int(frac * dense))
                 )
-                make = kakeya_factory(model, budget, calibration)
+                make = kakeya_factory(model, budget, calibration, coded)
             run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
             gen, lp, prefill, tps, nbytes, cache, peak = run(
                 model, ids, make, args.new_tokens, ref

@@ -200,6 +200,23 @@ class Pipeline:
     ) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU
         (keys rotated back to ``positions`` when given)."""
+        return self._from_frame(self.decode_frame(blocks, stream, rows), layer, stream, positions)
+
+    def decode_frame(self, blocks: list[CodedBlock], stream: str, rows: int) -> torch.Tensor:
+        """:meth:`decode` up to the coding frame: ``y`` ``[rows, H, sum(tokens), D]`` float32,
+        with ``x = y @ frame_inverse(layer, stream)`` (then RoPE for keys)."""
+        y, scale = self.decode_codes(blocks, stream, rows)
+        if scale is not None:
+            y.mul_(scale[..., None])  # y is this call's own buffer
+        return y
+
+    def decode_codes(
+        self, blocks: list[CodedBlock], stream: str, rows: int
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The codec's output ``y`` ``[rows, H, T, D]`` and, for streams coded with token
+        norms, each token's scale ``[rows, H, T]`` (its stored norm over ``|y|``), which
+        :meth:`decode_frame` applies. Attention over the codes folds the scale into the
+        attention weights instead of scaling every value."""
         if not blocks:
             raise ValueError("decode: no blocks")
         parts = []
@@ -212,14 +229,21 @@ class Pipeline:
             parts.append(_decode_run(blocks[i:j], rows))
             i = j
         y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-        if self.recipe.token_norms(stream):
-            norms = torch.cat([blk.norms for blk in blocks], dim=-1)  # type: ignore[misc]
-            # Each token gets exactly its stored norm back: the quantiser's reconstruction
-            # shrinks towards the mean, and shrunken keys flatten every softmax (a systematic
-            # perplexity rise that a small MSE hides).
-            # (y is this call's own buffer: scaled in place.)
-            y.mul_((norms.float() / y.norm(dim=-1).clamp_min(1e-12))[..., None])
-        return self._from_frame(y, layer, stream, positions)
+        if not self.recipe.token_norms(stream):
+            return y, None
+        norms = torch.cat([blk.norms for blk in blocks], dim=-1)  # type: ignore[misc]
+        # Each token gets exactly its stored norm back: the quantiser's reconstruction
+        # shrinks towards the mean, and shrunken keys flatten every softmax (a systematic
+        # perplexity rise that a small MSE hides).
+        return y, norms.float() / y.norm(dim=-1).clamp_min(1e-12)
+
+    def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
+        """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
+        :meth:`decode_frame` (None: the identity frame)."""
+        if self._transforms is not None:
+            return self._transforms.matrix(layer, stream, "inv")
+        frame = self._frames[(layer, stream)]
+        return frame.float().transpose(-1, -2) if frame.numel() else None
 
     def roundtrip(
         self,
@@ -262,8 +286,8 @@ class Pipeline:
         else:
             # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
             # encoder projected with the same matrix, so the round trip stays consistent.
-            frame = self._frames[(layer, stream)]
-            x = y if not frame.numel() else torch.einsum("bhte,hde->bhtd", y, frame.float())
+            m = self.frame_inverse(layer, stream)
+            x = y if m is None else y @ m
         if positions is not None and stream == "k" and self.recipe.pre_rope:
             x = self._rope_for(layer).rotate(x, positions.cpu())
         return x

@@ -35,12 +35,17 @@ class KVTransforms:
         }
         self.num_layers = calib.num_layers
 
+    def matrix(self, layer: int, stream: str, way: str) -> torch.Tensor:
+        """``[H, D, D]`` float32 ``m`` of ``layer``'s ``stream``: ``y = x @ m`` (``way="fwd"``)
+        or ``x = y @ m`` (``"inv"``)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        return self._mats[(stream, way)][layer]
+
     def _apply(self, x: torch.Tensor, layer: int, stream: str, way: str) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(f"expected [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
-        m = self._mats[(stream, way)][layer].to(x.device)
+        m = self.matrix(layer, stream, way).to(x.device)
         if m.shape[0] != x.shape[1]:
             raise ValueError(f"{x.shape[1]} KV heads, calibration has {m.shape[0]}")
         return torch.einsum("bhtd,hde->bhte", x.float(), m)

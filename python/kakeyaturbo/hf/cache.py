@@ -29,6 +29,8 @@ import kakeyaturbo as kt
 from ..pipeline import Pipeline
 from ..recipes import Recipe, default_recipe
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from .attention import ACTIVE_STEP
+from .attention import NAME as ATTENTION_NAME
 from .budget import DecodedBudget
 from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
@@ -127,6 +129,9 @@ class KakeyaCache(Cache):
                 stacklevel=2,
             )
         self._hook_handles: list = []
+        self._active: list = []  # ACTIVE_STEP tokens of the hooked forward in flight
+        # Hand the codes to the model's attention where it is the "kakeya" one (from_model).
+        self.coded_attention = True
         super().__init__(layers=layers)
 
     @property
@@ -153,14 +158,27 @@ class KakeyaCache(Cache):
         return DummyLayer()
 
     @classmethod
-    def from_model(cls, model: PreTrainedModel, **kwargs: Any) -> KakeyaCache:
+    def from_model(
+        cls, model: PreTrainedModel, *, coded_attention: bool | None = None, **kwargs: Any
+    ) -> KakeyaCache:
         """Build a cache for ``model`` (keyword arguments as for the constructor; none: the
-        default recipe) and hook its decoder (positions, padding)."""
+        default recipe) and hook its decoder (positions, padding).
+
+        ``coded_attention``: attend over the compressed blocks' codes instead of decoding them
+        into dense keys and values every step (``hf/coded_attention.py``; same outputs to
+        float32 rounding, far less work per step). It switches the model to the ``"kakeya"``
+        attention implementation, which is ``sdpa`` for every other cache and layer. None
+        (default): on where the model uses ``sdpa`` attention; True: required (raises where
+        the model cannot switch); False: off, the model is left as it is.
+        """
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
         kwargs["calibration"] = _load_calibration(kwargs.get("calibration"), model)
         cache = cls(model.config, **kwargs)
         cache.attach(model)
+        cache.coded_attention = coded_attention is not False
+        if cache.coded_attention:
+            _use_coded_attention(model, required=bool(coded_attention))
         return cache
 
     # ---- model hook --------------------------------------------------------------------------
@@ -181,13 +199,22 @@ class KakeyaCache(Cache):
             bound = dict(zip(names, args))
             bound.update(kwargs)
             if bound.get("past_key_values") is cache:
-                cache._ctx.step = StepInputs(bound.get("position_ids"), bound.get("attention_mask"))
+                coded = cache.coded_attention and (
+                    getattr(module.config, "_attn_implementation", None) == ATTENTION_NAME
+                )
+                step = StepInputs(
+                    bound.get("position_ids"), bound.get("attention_mask"), coded_attention=coded
+                )
+                cache._ctx.step = step
+                cache._active.append(ACTIVE_STEP.set(step))
             return None
 
         def post_hook(module, args, kwargs, output):
             cache = ref()
             if cache is not None:
                 cache._ctx.step = StepInputs()
+                if cache._active:
+                    ACTIVE_STEP.reset(cache._active.pop())
             return None
 
         self._hook_handles = [
@@ -204,7 +231,8 @@ class KakeyaCache(Cache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in vars(self).items():
-            setattr(new, name, [] if name == "_hook_handles" else copy.deepcopy(value, memo))
+            fresh = name in ("_hook_handles", "_active")
+            setattr(new, name, [] if fresh else copy.deepcopy(value, memo))
         return new
 
     def detach(self) -> None:
@@ -253,6 +281,24 @@ class KakeyaCache(Cache):
         return (
             f"KakeyaCache(layers={kinds}, residual_length={self.residual_length}, "
             f"sink_tokens={self.sink_tokens})"
+        )
+
+
+def _use_coded_attention(model: torch.nn.Module, required: bool) -> None:
+    """Switch ``model`` to the "kakeya" attention (it is sdpa's wherever no KakeyaCache layer
+    hands over codes, so the model computes what it did); only from sdpa, whose masks it uses."""
+    current = getattr(model.config, "_attn_implementation", None)
+    if current == ATTENTION_NAME:
+        return
+    switchable = current == "sdpa" and hasattr(model, "set_attn_implementation")
+    if switchable and getattr(model, "_can_set_attn_implementation", lambda: True)():
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation == ATTENTION_NAME:
+            return
+    if required:
+        raise ValueError(
+            f"coded_attention=True needs a model using 'sdpa' attention that can switch its "
+            f"implementation (transformers' AttentionInterface); this one uses {current!r}"
         )
 
 

@@ -14,8 +14,14 @@ compresses in one pass. Blocks are coded by the model's :class:`~kakeyaturbo.pip
 exact beside the streams; the pipeline codes their block's mean in their place and they are
 written over their decoded slots.
 
-Decoding: every step returns the whole ``[B, H, L, D]`` keys and values (transformers' attention
-needs them). Blocks are decoded on demand; a decoded block is kept only while it fits the
+Attention over the codes (the default with ``KakeyaCache.from_model`` on an sdpa model): the model
+attends through the "kakeya" attention, and ``update`` returns only the exact tokens (sinks held
+in blocks, hot window, new tokens) and hands the blocks to that attention
+(``coded_attention.py``), which reads the codes without building dense keys or values.
+
+Decoding (every other caller, or a decoded budget): every step returns the whole
+``[B, H, L, D]`` keys and values (transformers' attention needs them). Blocks are decoded on
+demand; a decoded block is kept only while it fits the
 cache's explicit ``decoded_cache_bytes`` budget (default 0: nothing decoded is kept, every step
 decodes every block in one batched call). When the budget can hold the whole layer, the layer
 keeps one contiguous decoded buffer instead: each block is decoded once (at the step after it
@@ -35,15 +41,24 @@ import torch
 from ..pipeline import CodedBlock, Pipeline
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
+from .coded_attention import CodedView
 from .rope import RotarySpec
 
 
 @dataclass
 class StepInputs:
-    """What the model hook saw for the forward in flight (position ids, 2-D attention mask)."""
+    """What the model hook saw for the forward in flight (position ids, 2-D attention mask),
+    and what this forward's attention over the codes shares between layers."""
 
     position_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    # The model attends through kakeyaturbo's "kakeya" attention: a layer with blocks hands
+    # the codes to it (`coded`, by layer index) instead of decoding them into dense K/V.
+    coded_attention: bool = False
+    coded: dict = field(default_factory=dict)
+    # What every layer's attention over the codes would compute alike (RoPE angles of the
+    # coded positions, the mask's bias): computed once per forward.
+    shared: list = field(default_factory=list)
 
 
 @dataclass
@@ -165,6 +180,13 @@ class KakeyaLayer(CacheLayerMixin):
             self._buf_k[:, :, start : start + q] = key_states
             self._buf_v[:, :, start : start + q] = value_states
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
+        elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
+            # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
+            # blocks as they are now (this forward's flush comes after) and return only the
+            # exact part. (A decoded budget asks for decoded blocks to be kept: the dense path.)
+            view = CodedView(self, list(self._blocks), self._sinks_in_blocks())
+            self._ctx.step.coded[self.layer_idx] = view
+            full_k, full_v = view.exact_part(key_states, value_states)
         else:
             old_k, old_v = self._materialize()
             full_k = torch.cat([*old_k, self._hot_k, key_states], dim=-2)
@@ -393,6 +415,14 @@ class KakeyaLayer(CacheLayerMixin):
             .expand(self._rows, q)
             .clone()
         )
+
+    def _sinks_in_blocks(self) -> torch.Tensor | None:
+        """[B, S] bool: which sinks sit in a compressed block (their coded slot holds the block
+        mean; attention over the codes reads them exact instead), or None."""
+        if self._sink_idx is None:
+            return None
+        inside = self._sink_idx < self.compressed_length
+        return inside if bool(inside.any()) else None
 
     def _sink_mask(self, start: int, t: int) -> torch.Tensor | None:
         """[B, t] bool: which of cache slots start..start+t are sinks (held exact)."""

@@ -32,10 +32,11 @@ class RotarySpec:
     rot_dim: int  # channels rotated (head_dim unless partial_rotary_factor < 1)
     adjacent_pairs: bool = False  # GPT-J/GLM pairing (2i, 2i+1) instead of (i, i + d/2)
 
-    def _cos_sin(
+    def cos_sin(
         self, positions: torch.Tensor, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [B, T] integer -> cos, sin of each pair's angle: [B, 1, T, rot_dim // 2]
+        """cos and sin of each pair's angle at integer ``positions`` [B, T]:
+        [B, 1, T, rot_dim // 2] float32 (reusable by every layer of this RoPE)."""
         freqs = positions.to(device=device, dtype=torch.float32)[..., None] * self.inv_freq.to(
             device
         )
@@ -50,19 +51,27 @@ class RotarySpec:
             raise ValueError(
                 f"positions {tuple(positions.shape)} do not match keys {tuple(x.shape)}"
             )
-        c, s_ = self._cos_sin(positions, x.device)
-        s_ = s_ * sign  # exact: sign is +-1
+        return self.turn(x, *self.cos_sin(positions, x.device), sign)
+
+    def turn(self, x: torch.Tensor, c: torch.Tensor, s_: torch.Tensor, sign: float = 1.0):
+        """Rotate ``x`` [B, H, T, D] by the angles of :meth:`cos_sin` (``sign`` -1: undo)."""
         rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
         half = self.rot_dim // 2
         if self.adjacent_pairs:
+            s_ = s_ * sign  # exact: sign is +-1
             # Pair (2i, 2i+1) turns by angle p * w_i: the same rotation, other channel order.
             even, odd = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((even * c - odd * s_, odd * c + even * s_), dim=-1).flatten(-2)
-        else:
-            # Pair (i, i + d/2): k * cos + rotate_half(k) * sin, on the halves directly.
-            first, second = rot[..., :half], rot[..., half:]
-            out = torch.cat((first * c - second * s_, second * c + first * s_), dim=-1)
-        return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
+            return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
+        # Pair (i, i + d/2): k * cos + rotate_half(k) * sin, written into one output (a
+        # concatenation of the halves costs several times the arithmetic).
+        first, second = rot[..., :half], rot[..., half:]
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        torch.mul(first, c, out=out[..., :half]).addcmul_(second, s_, value=-sign)
+        torch.mul(second, c, out=out[..., half : self.rot_dim]).addcmul_(first, s_, value=sign)
+        if rest.shape[-1]:
+            out[..., self.rot_dim :] = rest
+        return out.to(x.dtype)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to ``x`` [B, H, T, D] at integer ``positions`` [B, T]."""

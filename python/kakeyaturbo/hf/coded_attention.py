@@ -1,0 +1,180 @@
+"""Attention over a layer's compressed blocks without decoding them into dense keys and values.
+
+A :class:`~kakeyaturbo.hf.layer.KakeyaLayer` whose model attends through the ``"kakeya"``
+attention (``hf/attention.py``) returns only its exact tokens from ``update`` (the sinks that
+sit in blocks, the hot window, the new tokens) and leaves a :class:`CodedView` of its blocks for
+the attention of the same forward. :meth:`CodedView.attend` then computes one softmax over both
+parts:
+
+- **keys** of the blocks are decoded to frame coordinates by the codec, taken through the frame
+  (one ``[D, D]`` product per head) and turned to their RoPE positions, with the angles computed
+  once per forward for all layers; the logits are one matrix product per KV head for all of its
+  query heads (no ``repeat_kv`` copy);
+- **values** are never taken out of the frame per token: attention is linear in them, so
+  ``sum_t p_t v_t = (sum_t p_t y_t) @ M`` and the frame ``M`` is applied once per query;
+- **sinks** are read exact: their coded slots (which hold the block mean) are masked out and the
+  exact sink keys and values lead the exact part.
+
+Nothing decoded outlives the call, so the cache holds what its ``memory_report`` says. The codes
+are the ones the dense path decodes: outputs agree with it to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class CodedView:
+    """One layer's blocks as they were when this forward's ``update`` ran."""
+
+    layer: Any  # the KakeyaLayer (layer.py imports this module)
+    blocks: list  # its _Block objects, oldest first
+    sinks: torch.Tensor | None  # [B, S] bool: sinks whose slot is in a block (held exact here)
+
+    @property
+    def coded_length(self) -> int:
+        return sum(blk.k.tokens for blk in self.blocks)
+
+    def exact_part(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's exact keys and values for this forward: sinks held beside the blocks
+        (all ``S`` of them; :meth:`attend` masks those that are not in a block), hot window,
+        new tokens."""
+        lay = self.layer
+        ks, vs = [lay._hot_k, k], [lay._hot_v, v]
+        if self.sinks is not None:
+            ks.insert(0, lay._sink_k.transpose(1, 2).to(k.dtype))
+            vs.insert(0, lay._sink_v.transpose(1, 2).to(v.dtype))
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[B, Tq, Hq, D]`` (query dtype) of ``query`` ``[B, Hq, Tq, D]``
+        over the blocks and the exact part ``key``/``value`` (from :meth:`exact_part`)."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        b, hq, tq, d = query.shape
+        h = key.shape[1]
+        if hq % h:
+            raise ValueError(f"{hq} query heads do not group over {h} KV heads")
+        g, dev = hq // h, query.device
+        clen = self.coded_length
+        q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
+
+        # Token norms (when a stream has them) scale a token's logit or its weight: attention
+        # is linear in each key and value, so no decoded vector is rescaled.
+        keys, k_scale = pipe.decode_codes([blk.k for blk in self.blocks], "k", b)
+        frame = pipe.frame_inverse(li, "k")
+        if frame is not None:
+            keys = keys @ frame
+        if lay._rope is not None:
+            pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
+            keys = lay._rope.turn(keys, *self._angles(pos))
+        coded = q @ keys.to(dev).transpose(-1, -2)
+        if k_scale is not None:
+            coded.mul_(k_scale.to(dev)[:, :, None])
+        scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
+        scores.mul_(scaling)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        bias = self._shared_bias(attention_mask, b, tq, key.shape[-2], dev)
+        scores = scores.view(b, h, g, tq, -1)
+        scores += bias.view(bias.shape[0], *_grouped_heads(bias.shape[1], h, g), tq, -1)
+        # A query row with every key masked (a padded row) gets zeros, not NaN.
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).view(b, h, g * tq, -1)
+
+        values, v_scale = pipe.decode_codes([blk.v for blk in self.blocks], "v", b)
+        weights = probs[..., :clen]
+        if v_scale is not None:
+            weights = weights * v_scale.to(dev)[:, :, None]
+        out = weights @ values.to(dev)
+        frame = pipe.frame_inverse(li, "v")
+        if frame is not None:
+            out = out @ frame.to(dev)
+        out += probs[..., clen:] @ value.float()
+        return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at the coded ``positions`` (every layer of a forward codes the same token
+        positions: computed once per forward and RoPE)."""
+        rope = self.layer._rope
+        return self._shared(
+            ("angles",),
+            (rope.inv_freq, positions),
+            lambda: rope.cos_sin(positions, positions.device),
+        )
+
+    def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:
+        # Layers of a forward share the mask and the sinks' slots: the bias is built once and
+        # reused while its inputs match.
+        inputs = () if mask is None else (mask,)
+        if self.sinks is not None:
+            inputs += (self.sinks, self.layer._sink_idx)
+        return self._shared(
+            ("bias", mask is None, b, tq, exact, self.coded_length),
+            inputs,
+            lambda: self._bias(mask, b, tq, exact, dev),
+        )
+
+    def _shared(self, key: tuple, tensors: tuple, make) -> Any:
+        """``make()``, computed once per forward for equal ``key`` and equal ``tensors``."""
+        memo = self.layer._ctx.step.shared
+        for k, ts, value in memo:
+            if k == key and all(
+                a.shape == t.shape and torch.equal(a, t) for a, t in zip(ts, tensors)
+            ):
+                return value
+        value = make()
+        memo.append((key, tensors, value))
+        return value
+
+    def _bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:
+        """Additive float32 bias ``[B or 1, 1 or Hq, Tq, coded + exact]`` for the scores:
+        the model's mask (bool: True attends; or additive) over the layer's slots, coded sink
+        slots masked out, the exact sinks given their own slots' columns."""
+        clen, s_held = self.coded_length, 0 if self.sinks is None else self.sinks.shape[1]
+        total = clen + exact - s_held  # the cache slots this forward's mask covers
+        if mask is None:
+            # Causal over the slots (transformers passes None only where that is all it needs).
+            ok = torch.ones(tq, total, dtype=torch.bool, device=dev).tril(total - tq)
+            mask = ok[None, None]
+        if mask.dtype == torch.bool:
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
+            bias.masked_fill_(~mask.to(dev), float("-inf"))
+        else:
+            bias = mask.to(device=dev, dtype=torch.float32)
+        if bias.shape[-1] != total:
+            raise ValueError(
+                f"layer {self.layer.layer_idx}: attention mask covers {bias.shape[-1]} keys, "
+                f"the cache holds {total}"
+            )
+        if self.sinks is None:
+            return bias
+        bias = bias.expand(b, *bias.shape[1:])
+        idx = self.layer._sink_idx.to(dev)  # [B, S] cache slots of the sinks
+        held = self.sinks.to(dev)
+        coded = bias[..., :clen].clone()
+        rows, slots = held.nonzero(as_tuple=True)
+        coded[rows, :, :, idx[rows, slots]] = float("-inf")
+        gather = idx.clamp(max=total - 1)[:, None, None, :].expand(*bias.shape[:3], -1)
+        sinks = bias.gather(-1, gather).masked_fill(~held[:, None, None, :], float("-inf"))
+        return torch.cat((coded, sinks, bias[..., clen:]), dim=-1)
+
+
+def _grouped_heads(mask_heads: int, h: int, g: int) -> tuple[int, int]:
+    """The mask's head dimension in the grouped ``[B, H, g, ...]`` layout of the scores."""
+    if mask_heads == 1:
+        return 1, 1
+    if mask_heads == h * g:
+        return h, g
+    raise ValueError(f"attention mask has {mask_heads} heads, the model {h * g}")

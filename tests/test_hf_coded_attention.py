@@ -1,0 +1,179 @@
+"""Attention over the codes (``hf/coded_attention.py``, the "kakeya" attention) computes what
+decoding every block into dense K/V computes: the same codes, another order of operations.
+
+What would catch real bugs: a wrong frame (transposed, another head's), RoPE at the wrong
+positions, the sinks read from their coded slots or counted twice, padding masks shifted by the
+exact part's new layout, grouped query heads mapped to the wrong KV head, token norms applied
+twice, a forward whose flush adds blocks the attention then reads. Each comparison runs the real
+model with ``coded_attention=False`` (decode every block, transformers' sdpa) against the
+default, checks that the coded path really ran, and compares every forward's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+kt = pytest.importorskip("kakeyaturbo")
+pytest.importorskip("kakeyaturbo.hf")
+from transformers import DynamicCache  # noqa: E402
+
+from kakeyaturbo.hf import KakeyaCache  # noqa: E402
+from kakeyaturbo.hf.coded_attention import CodedView  # noqa: E402
+from kakeyaturbo.modeling import load_model  # noqa: E402
+from kakeyaturbo.recipes import default_recipe  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    # Its own copy: from_model switches the model's attention implementation.
+    return load_model(model_dir)[0]
+
+
+@pytest.fixture
+def attend_calls(monkeypatch):
+    """How many times the coded path ran (the real method, counted)."""
+    calls = []
+    real = CodedView.attend
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.coded_length)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CodedView, "attend", counted)
+    return calls
+
+
+def padded_batch(vocab: int, n: int = 700, pad: int = 37):
+    """Two rows, the second left-padded: its sinks sit at other slots than the first's."""
+    ids = torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, :pad] = 0
+    return ids, mask
+
+
+@torch.inference_mode()
+def forwards(model, cache, ids, mask, prefill: int, chunk: int = 25, steps: int = 3):
+    """Logits of a prefill, multi-token forwards over compressed blocks, then single steps."""
+    out = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache)]
+    t = prefill
+    while t + chunk <= ids.shape[1] - steps:
+        out.append(
+            model(ids[:, t : t + chunk], attention_mask=mask[:, : t + chunk], past_key_values=cache)
+        )
+        t += chunk
+    for _ in range(steps):
+        out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache))
+        t += 1
+    return [o.logits for o in out]
+
+
+def compare(model, ids, mask, prefill, attend_calls, **kw):
+    dense = forwards(
+        model, KakeyaCache.from_model(model, coded_attention=False, **kw), ids, mask, prefill
+    )
+    assert not attend_calls
+    cache = KakeyaCache.from_model(model, **kw)
+    assert model.config._attn_implementation == "kakeya"
+    coded = forwards(model, cache, ids, mask, prefill)
+    assert attend_calls and min(attend_calls) > 0  # every forward after the prefill read codes
+    for a, b in zip(dense, coded):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    return cache
+
+
+# 64-token blocks: the prefill leaves 8 blocks and 88 hot tokens, and a later multi-token
+# forward flushes a block while its attention reads the blocks held before it.
+RECIPE = default_recipe(block_size=64)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"recipe": RECIPE},
+        {"recipe": RECIPE, "pre_rope": False},
+        {"recipe": RECIPE.replace(k_token_norms=True)},
+        {"recipe": RECIPE, "sink_tokens": 0},
+    ],
+    ids=["default", "post-rope", "key-norms", "no-sinks"],
+)
+def test_coded_attention_matches_decoding(model, attend_calls, kw):
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = compare(model, ids, mask, 600, attend_calls, residual_length=64, **kw)
+    assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
+    assert set(attend_calls) == {512, 576}
+
+
+def test_generate_is_unchanged(model):
+    ids, mask = padded_batch(model.config.vocab_size, n=650)
+    runs = []
+    for coded in (False, True):
+        cache = KakeyaCache.from_model(model, coded_attention=coded, residual_length=64)
+        with torch.inference_mode():
+            runs.append(
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    max_new_tokens=12,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+            )
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    for a, b in zip(runs[0].scores, runs[1].scores):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_switched_model_is_sdpa_for_other_caches(model):
+    ids = torch.randint(0, model.config.vocab_size, (1, 300))
+    KakeyaCache.from_model(model)
+    assert model.config._attn_implementation == "kakeya"
+    switched = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    model.set_attn_implementation("sdpa")
+    try:
+        plain = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    finally:
+        model.set_attn_implementation("kakeya")
+    torch.testing.assert_close(switched, plain, rtol=0, atol=0)
+
+
+def test_coded_attention_needs_sdpa(model_dir):
+    eager = load_model(model_dir, attn="eager")[0]
+    with pytest.raises(ValueError, match="coded_attention=True needs a model using 'sdpa'"):
+        KakeyaCache.from_model(eager, coded_attention=True)
+    KakeyaCache.from_model(eager)  # the default leaves it alone: the dense path
+    assert eager.config._attn_implementation == "eager"
+    KakeyaCache.from_model(model := load_model(model_dir)[0], coded_attention=False)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("calibrated", [False, True], ids=["self-fitted", "calibrated"])
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_coded_attention_other_architectures(arch, calibrated, attend_calls, tmp_path):
+    """Gemma 3 (sliding layers stay sdpa, head_dim 256, one KV head, its own query scaling)
+    and Qwen3 (q/k norms before RoPE), with self-fitted and calibrated frames."""
+    from test_architectures import BLOCK, bundle, tiny
+
+    model = tiny(arch)
+    calibration = str(bundle(arch).save(tmp_path / "bundle")) if calibrated else None
+    ids, mask = padded_batch(model.config.vocab_size, n=360, pad=5)
+    p = kt.CodecParams(
+        allocation="waterfill", k=0, bits_per_value=3, block_size=BLOCK, pca_method="none"
+    )
+    compare(
+        model,
+        ids,
+        mask,
+        300,
+        attend_calls,
+        calibration=calibration,
+        k_params=p,
+        v_params=p,
+        residual_length=32,
+    )
