@@ -1,7 +1,8 @@
 """The ``"kakeya"`` attention implementation: transformers' ``AttentionInterface`` seam through
 which a model attends over a :class:`~kakeyaturbo.hf.KakeyaCache`'s codes directly.
 
-``KakeyaCache.from_model`` switches a model that uses ``sdpa`` or ``eager`` attention to it.
+``KakeyaCache.from_model`` switches a model that uses ``sdpa`` attention to it (only ``sdpa``:
+its masks are the ones this implementation reads; other implementations are left alone).
 For a layer that handed its blocks over in this forward (see ``coded_attention.py``) it runs
 :meth:`CodedView.attend`; for everything else (other caches, sliding-window or full-precision
 layers, no cache) it is transformers' ``sdpa`` attention with ``sdpa``'s masks, so a model
