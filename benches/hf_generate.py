@@ -189,15 +189,12 @@ def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return top1, kl
 
 
-def kakeya_factory(model, budget_bytes: int, calibration=None, coded: bool = True):
+def kakeya_factory(model, budget_bytes: int, coded: bool, options: dict):
     from kakeyaturbo.hf import KakeyaCache
 
     def make():
         return KakeyaCache.from_model(
-            model,
-            decoded_cache_bytes=budget_bytes,
-            calibration=calibration,
-            coded_attention=coded,
+            model, decoded_cache_bytes=budget_bytes, coded_attention=coded, **options
         )
 
     return make
@@ -234,6 +231,25 @@ def main(argv=None) -> None:
         "block into dense K/V for sdpa), the design before attention over the codes",
     )
     ap.add_argument(
+        "--hot-dtype",
+        choices=["model", "bfloat16", "float16"],
+        default="model",
+        help="dtype of KakeyaCache's exact tokens (hot window, sinks); bfloat16 on a float32 "
+        "model holds what a bfloat16 deployment holds (default: the model's)",
+    )
+    ap.add_argument(
+        "--residual-length",
+        type=int,
+        default=None,
+        help="KakeyaCache's hot window (default: the cache's default)",
+    )
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KakeyaCache's block size (the default recipe's otherwise)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -247,6 +263,7 @@ def main(argv=None) -> None:
     import kakeyaturbo as kt
     from kakeyaturbo.hf import KakeyaCache
     from kakeyaturbo.modeling import load_model
+    from kakeyaturbo.recipes import default_recipe
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -262,7 +279,15 @@ def main(argv=None) -> None:
         from kakeyaturbo.calibration import Calibration
 
         calibration = Calibration.load(args.calibration, model)
-    recipe = KakeyaCache(model.config, calibration=calibration).recipe  # what the caches use
+    options: dict = {"calibration": calibration}
+    if args.hot_dtype != "model":
+        options["hot_dtype"] = getattr(torch, args.hot_dtype)
+    if args.block_size is not None:
+        options["recipe"] = default_recipe(calibration, block_size=args.block_size)
+    if args.residual_length is not None:
+        options["residual_length"] = args.residual_length
+    probe = KakeyaCache(model.config, **options)  # what the caches use
+    recipe = probe.recipe
     # Ratios are against bf16 KV bytes whatever the model's dtype (a float32 model's
     # DynamicCache holds twice that).
     to_bf16 = 16 / torch.finfo(model.dtype).bits
@@ -270,6 +295,8 @@ def main(argv=None) -> None:
     threads = torch.get_num_threads()
     print(f"model {args.model.name}, torch threads {threads}, kakeyaturbo {kt.__version__}")
     print(f"kakeya recipe: K {recipe.k.to_dict()}\n               V {recipe.v.to_dict()}")
+    hot = args.hot_dtype if args.hot_dtype != "model" else f"the model's ({model.dtype})"
+    print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
     qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
     print(f"quantized cache: {qdesc}")
 
@@ -299,7 +326,7 @@ def main(argv=None) -> None:
                 budget = (
                     0 if frac == 0 else (1 << 40 if frac == float("inf") else int(frac * dense))
                 )
-                make = kakeya_factory(model, budget, calibration, coded)
+                make = kakeya_factory(model, budget, coded, options)
             run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
             gen, lp, prefill, tps, nbytes, cache, peak = run(
                 model, ids, make, args.new_tokens, ref

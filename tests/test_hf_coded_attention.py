@@ -70,7 +70,7 @@ def forwards(model, cache, ids, mask, prefill: int, chunk: int = 25, steps: int 
     return [o.logits for o in out]
 
 
-def compare(model, ids, mask, prefill, attend_calls, **kw):
+def compare(model, ids, mask, prefill, attend_calls, tol=1e-4, **kw):
     dense = forwards(
         model, KakeyaCache.from_model(model, coded_attention=False, **kw), ids, mask, prefill
     )
@@ -80,7 +80,7 @@ def compare(model, ids, mask, prefill, attend_calls, **kw):
     coded = forwards(model, cache, ids, mask, prefill)
     assert attend_calls and min(attend_calls) > 0  # every forward after the prefill read codes
     for a, b in zip(dense, coded):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b, a, rtol=tol, atol=tol)
     return cache
 
 
@@ -96,12 +96,16 @@ RECIPE = default_recipe(block_size=64)
         {"recipe": RECIPE, "pre_rope": False},
         {"recipe": RECIPE.replace(k_token_norms=True)},
         {"recipe": RECIPE, "sink_tokens": 0},
+        {"recipe": RECIPE, "hot_dtype": torch.bfloat16},
     ],
-    ids=["default", "post-rope", "key-norms", "no-sinks"],
+    ids=["default", "post-rope", "key-norms", "no-sinks", "bf16-hot"],
 )
 def test_coded_attention_matches_decoding(model, attend_calls, kw):
     ids, mask = padded_batch(model.config.vocab_size)
-    cache = compare(model, ids, mask, 600, attend_calls, residual_length=64, **kw)
+    # A bfloat16 hot window rounds each new token: a 1e-6 difference between the two paths'
+    # hidden states can flip a rounding (4e-3 relative), so the later logits drift more apart.
+    tol = 5e-4 if kw.get("hot_dtype") is torch.bfloat16 else 1e-4
+    cache = compare(model, ids, mask, 600, attend_calls, tol, residual_length=64, **kw)
     assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
     assert set(attend_calls) == {512, 576}
 

@@ -148,6 +148,11 @@ def test_the_pipeline_holds_what_it_reports(model, ids):
     assert held_bytes(pipe)[0] == pipe.frame_bytes() + rope_tables
     tensors, enc_bytes, _, norms = held_bytes(cache)
     assert cache.memory_report()["total_bytes"] == tensors + enc_bytes + norms
+    # Consecutive RoPE positions are held as each row's first one, and read back in full.
+    layer, bs = cache.layers[0], cache.recipe.block_size
+    assert layer._blocks and all(blk.pos.shape == (1, 1) for blk in layer._blocks)
+    for i, blk in enumerate(layer._blocks):
+        assert torch.equal(blk.positions[0], torch.arange(i * bs, (i + 1) * bs, dtype=torch.int32))
 
 
 def test_decoded_budget_is_bounded_and_counted(model, ids):
@@ -228,3 +233,29 @@ def test_skip_layers_hold_exact_full_precision(model, ids, dynamic):
     for mine, ref in zip(everything.layers, dynamic.layers):
         assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
     assert everything.memory_report()["ratio"] == 1.0
+
+
+def test_hot_dtype_halves_the_exact_tokens(model, ids):
+    """bfloat16 hot window and sinks on a float32 model: half their bytes, counted exactly, the
+    same codes' share of the bytes, and outputs within bfloat16 rounding of the float32 ones."""
+    caches = {
+        dt: fill(model, ids, KakeyaCache.from_model(model, hot_dtype=dt))
+        for dt in (None, torch.bfloat16)
+    }
+    full, half = (caches[dt].memory_report() for dt in (None, torch.bfloat16))
+    assert half["full_precision_bytes"] * 2 == full["full_precision_bytes"] > 0
+    assert half["dense_bytes"] == full["dense_bytes"]  # the model's dtype, not the hot one
+    tensors, enc_bytes, _, norms = held_bytes(caches[torch.bfloat16])
+    assert half["total_bytes"] == tensors + enc_bytes + norms
+    layer = caches[torch.bfloat16].layers[0]
+    assert layer._hot_k.dtype == layer._sink_k.dtype == torch.bfloat16
+    with torch.inference_mode():
+        a, b = (
+            model(ids[:, -1:], past_key_values=caches[dt], use_cache=True).logits
+            for dt in (None, torch.bfloat16)
+        )
+    assert a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(b, a, rtol=0, atol=0.05 * float(a.abs().max()))
+    assert not torch.equal(a, b)  # the hot window really is held rounded
+    with pytest.raises(TypeError, match="hot_dtype"):
+        KakeyaCache(model.config, hot_dtype=torch.int8)

@@ -18,12 +18,12 @@ from kakeyaturbo.hf import KakeyaCache
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.pipeline import Pipeline
-from kakeyaturbo.recipes import Recipe, default_recipe, waterfill_params
+from kakeyaturbo.recipes import DEFAULT_BLOCK_SIZE, Recipe, default_recipe, waterfill_params
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # A prefix the cache compresses into exactly one whole block: (T - residual) == block_size.
-PREFIX, RESIDUAL = 1000, 1000 - 512
+PREFIX, RESIDUAL = 1000, 1000 - DEFAULT_BLOCK_SIZE
 
 
 def _ids(tokenizer, eval_text) -> torch.Tensor:
@@ -118,7 +118,8 @@ def test_roundtrip_shapes_bytes_and_relative_error():
     x = _kv()
     y, blocks = pipe.roundtrip(x, 0, "v")
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert [b.tokens for b in blocks] == [512, 188]  # whole blocks, then the rest
+    assert DEFAULT_BLOCK_SIZE == 256
+    assert [b.tokens for b in blocks] == [256, 256, 188]  # whole blocks, then the rest
     # Bytes: every serialized stream plus a float16 norm per (row, head, token), exactly.
     streams = sum(len(e.to_bytes()) for b in blocks for e in b.encs)
     assert sum(b.nbytes for b in blocks) == streams + 2 * 3 * 700 * 2
@@ -210,6 +211,6 @@ def test_recipe_and_pipeline_reject_bad_input():
 def test_newest_tokens_get_their_own_blocks_only_when_they_get_more_bits():
     x = _kv(b=1, t=600, seed=5)
     blocks = Pipeline(default_recipe()).encode(x, 0, "v", newer=0)
-    assert [b.tokens for b in blocks] == [512, 24, 64]  # the newest 64 apart, at +3 bits
+    assert [b.tokens for b in blocks] == [256, 256, 24, 64]  # the newest 64 apart, at +3 bits
     flat = default_recipe().replace(recent_bits=0.0)
-    assert [b.tokens for b in Pipeline(flat).encode(x, 0, "v", newer=0)] == [512, 88]
+    assert [b.tokens for b in Pipeline(flat).encode(x, 0, "v", newer=0)] == [256, 256, 88]

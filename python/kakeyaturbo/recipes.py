@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 DEFAULT_SINK_TOKENS = 4
-DEFAULT_BLOCK_SIZE = 512
+DEFAULT_BLOCK_SIZE = 256
 #: Bits per value (keys, values) without and with a calibration bundle.
 SELF_CALIBRATED_BITS = (3.0, 3.0)
 CALIBRATED_BITS = (2.5, 2.5)

@@ -37,7 +37,7 @@ from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_coun
 from .rope import ModelRope, rotary_spec_from_config
 
 #: Newest tokens every layer keeps full precision (the hot window).
-DEFAULT_RESIDUAL_LENGTH = 256
+DEFAULT_RESIDUAL_LENGTH = 128
 
 _REPORT_SUMS = (
     "tokens",
@@ -50,6 +50,14 @@ _REPORT_SUMS = (
     "bf16_equivalent_bytes",
     "dense_bytes",
 )
+
+
+def _floating_dtype(name: str, value: object) -> torch.dtype | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype or None, got {value!r}")
+    return value
 
 
 def _non_negative_int(name: str, value: object) -> int:
@@ -80,6 +88,10 @@ class KakeyaCache(Cache):
             always True with a calibration.
         decoded_cache_bytes: explicit budget for keeping decoded blocks between steps (speed for
             memory; counted in :meth:`memory_report`). 0 (default) keeps none.
+        hot_dtype: floating dtype in which the exact tokens (hot window, sinks) are held; None
+            (default): the model's. ``torch.bfloat16`` on a float32 model halves their bytes
+            (what a bfloat16 deployment holds) at bfloat16's rounding of those tokens; the
+            codec then codes the rounded tokens.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
@@ -99,6 +111,7 @@ class KakeyaCache(Cache):
         skip_layers: Iterable[int] | None = None,
         pre_rope: bool | None = None,
         decoded_cache_bytes: int = 0,
+        hot_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
@@ -114,6 +127,7 @@ class KakeyaCache(Cache):
         self._ctx = CacheContext(
             budget=DecodedBudget(decoded_cache_bytes),
             pipeline=Pipeline(self.recipe, self.calibration, self._rope),
+            hot_dtype=_floating_dtype("hot_dtype", hot_dtype),
         )
         cfg = text_config(config)
         layers = [

@@ -44,7 +44,7 @@ class CodedView:
         (all ``S`` of them; :meth:`attend` masks those that are not in a block), hot window,
         new tokens."""
         lay = self.layer
-        ks, vs = [lay._hot_k, k], [lay._hot_v, v]
+        ks, vs = [lay._hot_k.to(k.dtype), k], [lay._hot_v.to(v.dtype), v]
         if self.sinks is not None:
             ks.insert(0, lay._sink_k.transpose(1, 2).to(k.dtype))
             vs.insert(0, lay._sink_v.transpose(1, 2).to(v.dtype))

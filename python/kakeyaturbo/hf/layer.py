@@ -68,6 +68,7 @@ class CacheContext:
     budget: DecodedBudget
     pipeline: Pipeline  # frames fitted on a layer's first flushed tokens live here (aux bytes)
     step: StepInputs = field(default_factory=StepInputs)
+    hot_dtype: torch.dtype | None = None  # exact tokens' storage dtype (None: the model's)
 
 
 @dataclass(eq=False)  # identity: blocks are compared by `is`, never by content
@@ -76,8 +77,28 @@ class _Block:
 
     k: CodedBlock
     v: CodedBlock
-    positions: Any  # [B, block_size] int32 RoPE positions (pre-RoPE mode only), else None
+    # RoPE positions (pre-RoPE mode only, else None), int32: [B, 1] each row's first position
+    # when every row's positions run on consecutively (the usual case: 4 bytes per row, not
+    # per token), else [B, block_size].
+    pos: Any
     decoded: Any = None  # (K, V) [B, H, bs, D] held under the decoded budget, or None
+
+    @classmethod
+    def holding(cls, k: CodedBlock, v: CodedBlock, positions: torch.Tensor | None) -> _Block:
+        pos = positions
+        if positions is not None:
+            first = positions[:, :1]
+            run = torch.arange(positions.shape[-1], dtype=positions.dtype, device=positions.device)
+            pos = first.clone() if torch.equal(positions, first + run) else positions.clone()
+        return cls(k=k, v=v, pos=pos)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """``[B, block_size]`` int32 RoPE positions, or None."""
+        if self.pos is None or self.pos.shape[-1] == self.k.tokens:
+            return self.pos
+        run = torch.arange(self.k.tokens, dtype=self.pos.dtype, device=self.pos.device)
+        return self.pos + run
 
 
 def _storage_bytes(t: torch.Tensor | None) -> int:
@@ -123,7 +144,7 @@ class KakeyaLayer(CacheLayerMixin):
         # Tensors below are None until the first update (typed Any: set by lazy_initialization).
         self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
         self.is_initialized = False
-        self._hot_k: Any = None  # [B, H, T_hot, D] model dtype
+        self._hot_k: Any = None  # [B, H, T_hot, D] hot dtype (the model's unless set)
         self._hot_v: Any = None
         self._hot_pos: Any = None  # [B, T_hot] int32, pre-RoPE mode only
         self._blocks: list[_Block] = []
@@ -148,8 +169,9 @@ class KakeyaLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, _ = key_states.shape
         self._rows, self._heads = b, h
-        self._hot_k = key_states[:, :, :0].clone()
-        self._hot_v = value_states[:, :, :0].clone()
+        hot = self._ctx.hot_dtype or key_states.dtype
+        self._hot_k = key_states[:, :, :0].to(hot).clone()
+        self._hot_v = value_states[:, :, :0].to(hot).clone()
         if self._rope is not None:
             self._hot_pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
         self.is_initialized = True
@@ -177,8 +199,9 @@ class KakeyaLayer(CacheLayerMixin):
         positions = self._step_positions(q, start) if self._rope is not None else None
 
         if self._ctx.budget.limit and self._buffer_ready(start + q):
-            self._buf_k[:, :, start : start + q] = key_states
-            self._buf_v[:, :, start : start + q] = value_states
+            # As the hot window holds them (rounded to the hot dtype, if one is set).
+            self._buf_k[:, :, start : start + q] = key_states.to(self._hot_k.dtype)
+            self._buf_v[:, :, start : start + q] = value_states.to(self._hot_v.dtype)
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
         elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
@@ -189,12 +212,13 @@ class KakeyaLayer(CacheLayerMixin):
             full_k, full_v = view.exact_part(key_states, value_states)
         else:
             old_k, old_v = self._materialize()
-            full_k = torch.cat([*old_k, self._hot_k, key_states], dim=-2)
-            full_v = torch.cat([*old_v, self._hot_v, value_states], dim=-2)
+            hot_k, hot_v = self._hot_k.to(self.dtype), self._hot_v.to(self.dtype)
+            full_k = torch.cat([*old_k, hot_k, key_states], dim=-2)
+            full_v = torch.cat([*old_v, hot_v, value_states], dim=-2)
             self._overwrite_sinks(full_k, full_v, 0, self.compressed_length, 0)
 
-        self._hot_k = torch.cat([self._hot_k, key_states], dim=-2)
-        self._hot_v = torch.cat([self._hot_v, value_states], dim=-2)
+        self._hot_k = torch.cat([self._hot_k, key_states.to(self._hot_k.dtype)], dim=-2)
+        self._hot_v = torch.cat([self._hot_v, value_states.to(self._hot_v.dtype)], dim=-2)
         if positions is not None:
             self._hot_pos = torch.cat([self._hot_pos, positions], dim=-1)
         self._len += q
@@ -264,8 +288,8 @@ class KakeyaLayer(CacheLayerMixin):
                 self._drop_decoded(blk)
             self._blocks = self._blocks[:whole]
             if tail is not None:
-                self._hot_k = tk[:, :, :rest].clone()
-                self._hot_v = tv[:, :, :rest].clone()
+                self._hot_k = tk[:, :, :rest].to(self._hot_k.dtype).clone()
+                self._hot_v = tv[:, :, :rest].to(self._hot_v.dtype).clone()
                 # Sinks were encoded as the block mean: put the exact ones back.
                 self._overwrite_sinks(
                     self._hot_k,
@@ -317,7 +341,7 @@ class KakeyaLayer(CacheLayerMixin):
             _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
         )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
-        aux += sum(_storage_bytes(b.positions) for b in self._blocks)
+        aux += sum(_storage_bytes(b.pos) for b in self._blocks)
         # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
         if self._rope is not None and self.is_initialized:
             aux += _storage_bytes(self._rope.inv_freq)
@@ -326,7 +350,7 @@ class KakeyaLayer(CacheLayerMixin):
         decoded += _storage_bytes(self._buf_k) + _storage_bytes(self._buf_v)
         if self.is_initialized:
             per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
-            dense = per_token * self._len * self._hot_k.element_size()
+            dense = per_token * self._len * self.dtype.itemsize
             bf16 = per_token * self._len * 2
         else:
             dense = bf16 = 0
@@ -381,8 +405,8 @@ class KakeyaLayer(CacheLayerMixin):
         if bool(sel.any()):
             rows, slots = sel.nonzero(as_tuple=True)
             t = self._sink_idx[rows, slots] - start
-            self._sink_k[rows, slots] = k[rows, :, t]
-            self._sink_v[rows, slots] = v[rows, :, t]
+            self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
+            self._sink_v[rows, slots] = v[rows, :, t].to(self._sink_v.dtype)
 
     def _overwrite_sinks(
         self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, base: int
@@ -451,10 +475,8 @@ class KakeyaLayer(CacheLayerMixin):
         enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
         enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks)
         for j in range(n):
-            blk = _Block(
-                k=enc_k[j],
-                v=enc_v[j],
-                positions=None if pos is None else pos[:, j * bs : (j + 1) * bs].clone(),
+            blk = _Block.holding(
+                enc_k[j], enc_v[j], None if pos is None else pos[:, j * bs : (j + 1) * bs]
             )
             self._blocks.append(blk)
             if self._buf_k is not None:
@@ -510,7 +532,7 @@ class KakeyaLayer(CacheLayerMixin):
         """Make the contiguous decoded buffer hold ``need`` tokens and be up to date; False
         (and no buffer) when the budget cannot hold it."""
         per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
-        per_token *= self._hot_k.element_size()
+        per_token *= self.dtype.itemsize
         budget = self._ctx.budget
         if self._buf_k is None:
             if self._buf_refused:
@@ -521,8 +543,8 @@ class KakeyaLayer(CacheLayerMixin):
                 return False
             self._release_decoded()  # single kept blocks are superseded by the buffer
             b, h = self._rows, self._heads
-            buf_k = self._hot_k.new_empty((b, h, cap, self._hot_k.shape[-1]))
-            buf_v = self._hot_v.new_empty((b, h, cap, self._hot_v.shape[-1]))
+            buf_k = self._hot_k.new_empty((b, h, cap, self._hot_k.shape[-1]), dtype=self.dtype)
+            buf_v = self._hot_v.new_empty((b, h, cap, self._hot_v.shape[-1]), dtype=self.dtype)
             clen = self.compressed_length
             if self._blocks:
                 pieces_k, pieces_v = self._materialize(keep=False)
@@ -605,8 +627,8 @@ class KakeyaLayer(CacheLayerMixin):
         for blk in self._blocks:
             blk.k = blk.k.select_rows(order, h)
             blk.v = blk.v.select_rows(order, h)
-            if blk.positions is not None:
-                blk.positions = blk.positions.index_select(0, rows_dev)
+            if blk.pos is not None:
+                blk.pos = blk.pos.index_select(0, rows_dev)
             if blk.decoded is not None:
                 old = blk.decoded
                 self._drop_decoded(blk)
