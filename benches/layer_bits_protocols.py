@@ -1,0 +1,79 @@
+"""Per-layer bit offsets under both evaluation protocols: the calibrated default with its
+sensitivity offsets at full strength, at half strength, clipped tighter, and switched off, each
+scored in snapshot and in-forward mode on the same passages (same average bits, same bytes).
+
+    .venv/bin/python benches/layer_bits_protocols.py --calibration artifacts/calib-smollm2
+
+The offsets come from a scan that codes one layer at a time on exact inputs (snapshot); in
+in-forward mode every layer's error reaches the layers above it, which that scan never sees.
+This measures how much of the in-forward loss a gentler allocation buys back, and what it costs
+in snapshot mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from kakeyaturbo.calibration.sensitivity import layer_offsets
+from kakeyaturbo.eval.harness import evaluate_method
+from kakeyaturbo.eval.ppl import load_setup
+from kakeyaturbo.eval.registry import build_method
+from kakeyaturbo.pipeline import Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT / ".." / "shared"
+
+
+def variants(kl: dict[str, list[float]]) -> dict[str, dict]:
+    n = len(kl["k"])
+
+    def split(off: list[float]) -> dict:
+        return {"k_layer_bits": tuple(off[:n]), "v_layer_bits": tuple(off[n:])}
+
+    joint = kl["k"] + kl["v"]
+    return {
+        "full (default)": {},
+        "half strength": split([0.5 * x for x in layer_offsets(joint)]),
+        "clipped +-0.75": split(layer_offsets(joint, 0.75)),
+        "none": {"k_layer_bits": (), "v_layer_bits": ()},
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    ap.add_argument("--calibration", required=True, help="bundle with a sensitivity scan")
+    ap.add_argument("--passages", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    setup = load_setup(args.model, args.text, 960, 64, args.passages, progress=False)
+    spec = f"kakeya:calibration={args.calibration}"
+    base = build_method(spec)
+    scan = base.calibration.meta.get("sensitivity")
+    if scan is None:
+        raise SystemExit(f"{args.calibration} has no sensitivity scan")
+    print(f"{args.passages} passages, ctx 960 + 64, {spec}")
+    for name, change in variants(scan["kl"]).items():
+        method = build_method(spec)
+        method.recipe = base.recipe.replace(**change)
+        method.pipeline = Pipeline(method.recipe, method.calibration)
+        for mode in ("snapshot", "in-forward"):
+            r = evaluate_method(setup.model, setup.reference, method, mode)
+            print(
+                f"{name:16s} {mode:10s} ratio {r['ratio']:.2f}x  delta-ppl "
+                f"{100 * r['delta_ppl']:+.2f}%  KL {r['kl']:.2e}  top-1 {r['top1']:.3f}  "
+                f"{r['verdict']}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
