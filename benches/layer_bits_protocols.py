@@ -12,19 +12,11 @@ in snapshot mode.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-import torch
-
+import smollm2_eval  # benches/, beside this script
 from kakeyaturbo.calibration.sensitivity import layer_offsets
 from kakeyaturbo.eval.harness import evaluate_method
-from kakeyaturbo.eval.ppl import load_setup
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.pipeline import Pipeline
-
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT / ".." / "shared"
 
 
 def variants(kl: dict[str, list[float]]) -> dict[str, dict]:
@@ -43,18 +35,8 @@ def variants(kl: dict[str, list[float]]) -> dict[str, dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--model",
-        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    )
-    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
-    ap.add_argument("--calibration", required=True, help="bundle with a sensitivity scan")
-    ap.add_argument("--passages", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    setup = load_setup(args.model, args.text, 960, 64, args.passages, progress=False)
+    args = smollm2_eval.parser(__doc__).parse_args(argv)
+    setup = smollm2_eval.setup(args)
     spec = f"kakeya:calibration={args.calibration}"
     base = build_method(spec)
     scan = base.calibration.meta.get("sensitivity")

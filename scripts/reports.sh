@@ -44,6 +44,10 @@ kakeyaturbo eval ppl "${COMMON[@]}" --out reports/attribution.json \
   --method "kakeya:calibration=$C,streams=k" --method "kakeya:calibration=$C,streams=v" \
   --method "kakeya:calibration=$C,layer_bits=false" --method "kakeya:calibration=$C,v_token_norms=false" \
   --method "kakeya:calibration=$C,whiten=false" --method "kakeya:calibration=$C,recent_tokens=0"
+# The default's 256-token blocks against 512 (what the cache's smaller exact part costs here).
+kakeyaturbo eval ppl "${COMMON[@]}" --out reports/block_size.json \
+  --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,block_size=512" \
+  --method kakeya --method "kakeya:block_size=512"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 
