@@ -94,6 +94,14 @@ def test_register_adds_commands_to_a_foreign_parser(capsys):
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["eval", "methods"])
     assert args.func(args) == 0
-    assert "turboquant" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "turboquant" in out
+    # Every shared option the methods take is listed, from the one table they are parsed by.
+    from dataclasses import fields
+
+    from kakeyaturbo.eval.methods import COMMON_KEYS, MethodOptions
+
+    assert set(COMMON_KEYS) == {f.name for f in fields(MethodOptions)}
+    assert all(f" {key}=" in out for key in COMMON_KEYS)
     args = parser.parse_args(["report", "--results", "somewhere"])
     assert callable(args.func)

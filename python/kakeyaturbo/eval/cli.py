@@ -294,14 +294,13 @@ def cmd_all(args) -> int:
 
 
 def cmd_methods(args) -> int:
+    from kakeyaturbo.eval.methods import COMMON_KEY_VALUES
     from kakeyaturbo.eval.registry import METHOD_HELP
 
     for name in sorted(METHOD_HELP):
         print(f"{name:12s} {METHOD_HELP[name]}")
-    print(
-        "\nshared options: sink_tokens=N residual_length=N skip_layers=a+b layers=a+b"
-        " streams=kv|k|v passthrough=bf16|exact; a k_/v_ prefix applies a key to one stream"
-    )
+    shared = " ".join(f"{key}={form}" for key, form in COMMON_KEY_VALUES.items())
+    print(f"\nshared options: {shared}; a k_/v_ prefix applies a key to one stream")
     return 0
 
 

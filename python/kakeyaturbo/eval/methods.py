@@ -48,15 +48,17 @@ __all__ = [
     "stream_params",
 ]
 
-COMMON_KEYS = (
-    "sink_tokens",
-    "residual_length",
-    "skip_layers",
-    "layers",
-    "streams",
-    "passthrough",
-    "pre_rope",
-)
+#: The shared option keys every method takes, with the form of their values.
+COMMON_KEY_VALUES = {
+    "sink_tokens": "N",
+    "residual_length": "N",
+    "skip_layers": "a+b",
+    "layers": "a+b",
+    "streams": "kv|k|v",
+    "passthrough": "bf16|exact",
+    "pre_rope": "true|false",
+}
+COMMON_KEYS = tuple(COMMON_KEY_VALUES)
 STREAMS = ("k", "v")
 
 # category -> bytes, for one passage's prefix; a method's total is the sum of its values
