@@ -43,18 +43,14 @@ def main(argv=None) -> None:
     if scan is None:
         raise SystemExit(f"{args.calibration} has no sensitivity scan")
     print(f"{args.passages} passages, ctx 960 + 64, {spec}")
+    default = base.recipe
     for name, change in variants(scan["kl"]).items():
-        method = build_method(spec)
-        method.recipe = base.recipe.replace(**change)
-        method.pipeline = Pipeline(method.recipe, method.calibration)
+        # One method (one bundle load), its recipe and pipeline swapped per variant.
+        base.recipe = default.replace(**change)
+        base.pipeline = Pipeline(base.recipe, base.calibration)
         for mode in ("snapshot", "in-forward"):
-            r = evaluate_method(setup.model, setup.reference, method, mode)
-            print(
-                f"{name:16s} {mode:10s} ratio {r['ratio']:.2f}x  delta-ppl "
-                f"{100 * r['delta_ppl']:+.2f}%  KL {r['kl']:.2e}  top-1 {r['top1']:.3f}  "
-                f"{r['verdict']}",
-                flush=True,
-            )
+            r = evaluate_method(setup.model, setup.reference, base, mode)
+            print(f"{name:16s} {mode:10s} {smollm2_eval.scores(r)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,12 +60,7 @@ def main(argv=None) -> None:
             use_8bit_norms()
         for spec in specs:
             r = evaluate_method(setup.model, setup.reference, build_method(spec), "snapshot")
-            print(
-                f"{label:14s} {spec:44s} ratio {r['ratio']:.3f}x  delta-ppl "
-                f"{100 * r['delta_ppl']:+.2f}%  KL {r['kl']:.3e}  top-1 {r['top1']:.3f}  "
-                f"{r['verdict']}",
-                flush=True,
-            )
+            print(f"{label:14s} {spec:44s} {smollm2_eval.scores(r, digits=3)}", flush=True)
 
 
 if __name__ == "__main__":

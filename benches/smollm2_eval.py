@@ -1,5 +1,5 @@
-"""What the SmolLM2 evaluation probes in benches/ share: their data arguments and the loaded
-reference (ctx 960 + 64 scored tokens, the protocol of reports/)."""
+"""What the SmolLM2 evaluation probes in benches/ share: their data arguments, the loaded
+reference (ctx 960 + 64 scored tokens, the protocol of reports/) and their result lines."""
 
 from __future__ import annotations
 
@@ -30,3 +30,11 @@ def parser(doc: str) -> argparse.ArgumentParser:
 def setup(args: argparse.Namespace) -> Setup:
     torch.set_num_threads(args.threads)
     return load_setup(args.model, args.text, 960, 64, args.passages, progress=False)
+
+
+def scores(r: dict, digits: int = 2) -> str:
+    """One evaluated method's row (``evaluate_method``) as a line: ratio and KL to ``digits``."""
+    return (
+        f"ratio {r['ratio']:.{digits}f}x  delta-ppl {100 * r['delta_ppl']:+.2f}%  "
+        f"KL {r['kl']:.{digits}e}  top-1 {r['top1']:.3f}  {r['verdict']}"
+    )
