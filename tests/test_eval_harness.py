@@ -171,9 +171,10 @@ def test_kakeya_bytes_are_the_encoded_sizes(setup):
     r = run(setup, spec)
     assert r["verdict"] in ("ACCEPT", "MARGINAL")
     assert r["params"]["k"]["block_size"] == 64 and r["params"]["v"]["bits_per_value"] == 4
-    # Recount one passage: the codec's own serialisation of each (block, head) and the float16
-    # token norms. The newest 64 tokens are a block of their own (the recipe's recent bits);
-    # 96 tokens are too few to pay for a 64 x 64 frame, so none is stored.
+    # Recount one passage: the codec's own serialisation of each (block, head) and the token
+    # norms (a byte per token, two float16 bounds per block stream). The newest 64 tokens are
+    # a block of their own (the recipe's recent bits); 96 tokens are too few to pay for a
+    # 64 x 64 frame, so none is stored.
     pipe = Pipeline(method.recipe)
     total = 0
     for li, layer in enumerate(ref.batches[0].cache.layers):
@@ -182,7 +183,7 @@ def test_kakeya_bytes_are_the_encoded_sizes(setup):
             assert [b.tokens for b in blocks] == [CTX - 64, 64]
             total += sum(len(e.to_bytes()) for b in blocks for e in b.encs)
             if method.recipe.token_norms(stream):
-                total += heads * CTX * 2
+                total += heads * CTX + len(blocks) * heads * 2 * 2
     assert pipe.frame_bytes() == 0
     assert r["passages"][0]["stored_bytes"] == total
     assert set(r["bytes_breakdown"]) == {"encoded", "norms", "frames"}

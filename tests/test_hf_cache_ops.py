@@ -134,7 +134,7 @@ def test_batch_repeat_select_and_reorder(model, ids):
     cache.batch_repeat_interleave(2)  # rows: 0 0 1 1
     after = cache.memory_report()
     # Repeated rows share their compressed streams (no stream is re-encoded or copied); only
-    # the float16 token norms beside them are held once per row.
+    # the token norms beside them are held once per row.
     norms = sum(
         coded.norm_bytes
         for layer in cache.layers
@@ -145,7 +145,8 @@ def test_batch_repeat_select_and_reorder(model, ids):
     assert after["compressed_bytes"] == before["compressed_bytes"] + norms // 2
     blk = cache.layers[0]._blocks[0]  # 2 kv heads: streams of rows 0 and 1 are the same objects
     assert blk.k.encs[0] is blk.k.encs[2] and blk.v.encs[5] is blk.v.encs[7]
-    assert torch.equal(blk.v.norms[0], blk.v.norms[1])
+    assert torch.equal(blk.v.norms.codes[0], blk.v.norms.codes[1])
+    assert torch.equal(blk.v.norms.bounds[0], blk.v.norms.bounds[1])
     assert after["full_precision_bytes"] == 2 * before["full_precision_bytes"]
     nxt = torch.stack([ids[0, 250:251], ids[0, 250:251], ids[0, 350:351], ids[0, 350:351]])
     out = step(model, cache, nxt)

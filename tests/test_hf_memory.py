@@ -62,7 +62,12 @@ def held_bytes(obj, skip=None) -> tuple[int, int, int, int]:
             for y in x.values():
                 walk(y, in_block)
         elif type(x).__module__.startswith(
-            ("kakeyaturbo.hf", "kakeyaturbo.pipeline", "transformers.cache_utils")
+            (
+                "kakeyaturbo.hf",
+                "kakeyaturbo.pipeline",
+                "kakeyaturbo.norm_codes",
+                "transformers.cache_utils",
+            )
         ):
             inside = in_block or isinstance(x, CodedBlock)
             for y in vars(x).values():

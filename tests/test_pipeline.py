@@ -62,7 +62,8 @@ def _assert_identical(cache, method):
             if stored.norms is None:
                 assert measured.norms is None
             else:
-                assert torch.equal(stored.norms, measured.norms)
+                assert torch.equal(stored.norms.codes, measured.norms.codes)
+                assert torch.equal(stored.norms.bounds, measured.norms.bounds)
         # The frames both fitted are held once per layer by the cache and counted by the eval.
         assert cache._ctx.pipeline.frame_bytes(li) == (
             0 if cache.calibration is not None else 2 * 2 * layer._heads * 64 * 64
@@ -120,9 +121,10 @@ def test_roundtrip_shapes_bytes_and_relative_error():
     assert y.shape == x.shape and y.dtype == x.dtype
     assert DEFAULT_BLOCK_SIZE == 256
     assert [b.tokens for b in blocks] == [256, 256, 188]  # whole blocks, then the rest
-    # Bytes: every serialized stream plus a float16 norm per (row, head, token), exactly.
+    # Bytes: every serialized stream, a norm byte per (row, head, token) and two float16
+    # bounds per (block, row, head), exactly.
     streams = sum(len(e.to_bytes()) for b in blocks for e in b.encs)
-    assert sum(b.nbytes for b in blocks) == streams + 2 * 3 * 700 * 2
+    assert sum(b.nbytes for b in blocks) == streams + 2 * 3 * 700 + 3 * 2 * 3 * 2 * 2
     assert pipe.frame_bytes() == pipe.frame_bytes(0) == 3 * 64 * 64 * 2
     # Token norms make the error relative per token: the smallest-norm tokens keep it too.
     rel = (y - x).norm(dim=-1) / x.norm(dim=-1)

@@ -9,9 +9,10 @@ One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go thro
                          first tokens coded and held once as float16 (counted; none for a
                          sequence shorter than 4 tokens per dimension, where it cannot pay)
     -> token norms       (recipe's choice per stream) each token is scaled to unit norm and
-                         its norm held as float16, so the codec's error is relative per token
-                         (small-norm tokens that draw much attention keep their precision) and
-                         each decoded token is given its exact norm back (no shrinkage)
+                         its norm held in one byte (``norm_codes.py``: log-spaced over the
+                         stream's range, at most 1.1% off), so the codec's error is relative
+                         per token (small-norm tokens that draw much attention keep their
+                         precision) and each decoded token is given its norm back (no shrinkage)
     -> codec             one stream per (block, batch row, kv head): water-filling over the
                          frame's components at the layer's bits per value; a stored prefix's
                          newest ``recent_tokens`` form blocks of their own at ``recent_bits`` more
@@ -36,13 +37,12 @@ import numpy as np
 import torch
 
 from . import codec as _codec
+from .norm_codes import NormCodes, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
 __all__ = ["CodedBlock", "Pipeline", "STREAMS"]
 
 STREAMS = ("k", "v")
-#: Bytes per stored float16 element (token norms).
-_HALF = 2
 #: Self-fitted frames need at least this many tokens per dimension to pay for themselves.
 MIN_FRAME_TOKENS_PER_DIM = 4
 _IDENTITY = torch.empty(0, dtype=torch.float16)  # "no frame": a sequence too short for one
@@ -53,7 +53,7 @@ class CodedBlock:
     """One block of one stream: ``tokens`` tokens of every (batch row, kv head)."""
 
     encs: list  # rows * heads kt.EncodedLayer, row-major over (batch row, kv head)
-    norms: Optional[torch.Tensor]  # [rows, heads, tokens] float16, or None
+    norms: Optional[NormCodes]  # token norms of streams coded with them, or None
     tokens: int
 
     @property
@@ -63,7 +63,7 @@ class CodedBlock:
 
     @property
     def norm_bytes(self) -> int:
-        return 0 if self.norms is None else self.norms.numel() * _HALF
+        return 0 if self.norms is None else self.norms.nbytes
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +73,7 @@ class CodedBlock:
     def select_rows(self, order: list[int], heads: int) -> CodedBlock:
         """The block for batch rows ``order`` (streams are shared, not re-encoded)."""
         encs = [self.encs[r * heads + j] for r in order for j in range(heads)]
-        norms = None if self.norms is None else self.norms[torch.tensor(order)]
+        norms = None if self.norms is None else self.norms.select_rows(torch.tensor(order))
         return CodedBlock(encs, norms, self.tokens)
 
 
@@ -231,11 +231,11 @@ class Pipeline:
         y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         if not self.recipe.token_norms(stream):
             return y, None
-        norms = torch.cat([blk.norms for blk in blocks], dim=-1)  # type: ignore[misc]
-        # Each token gets exactly its stored norm back: the quantiser's reconstruction
-        # shrinks towards the mean, and shrunken keys flatten every softmax (a systematic
-        # perplexity rise that a small MSE hides).
-        return y, norms.float() / y.norm(dim=-1).clamp_min(1e-12)
+        norms = decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
+        # Each token gets its stored norm back: the quantiser's reconstruction shrinks
+        # towards the mean, and shrunken keys flatten every softmax (a systematic perplexity
+        # rise that a small MSE hides).
+        return y, norms / y.norm(dim=-1).clamp_min(1e-12)
 
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
@@ -324,7 +324,7 @@ def _code_blocks(y, norms, start, params, bs, layer, stream) -> list[CodedBlock]
     blocks: list[CodedBlock] = []
 
     def norms_of(lo: int, hi: int):
-        return None if norms is None else norms[:, :, start + lo : start + hi].clone()
+        return None if norms is None else encode_norms(norms[:, :, start + lo : start + hi])
 
     whole = t // bs
     if whole:

@@ -11,7 +11,7 @@ frames with the calibrated default (its per-layer bits too, unless `layer_bits=f
 
 Each passage is an independent sequence: it gets its own self-fitted frames (counted as
 `frames` bytes), exactly as a fresh ``KakeyaCache`` would fit them on that prefix. Bytes are
-the exact serialized size of every stream plus the float16 token norms.
+the exact serialized size of every stream plus the token norms (``norm_codes.py``).
 """
 
 from __future__ import annotations

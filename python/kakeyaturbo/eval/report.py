@@ -272,9 +272,10 @@ Bytes are what one passage's prefix stores (codes, scales, norms, codec headers 
 full-precision sinks, windows and skipped layers), and ratio = bf16 bytes / stored bytes.
 Peers are reimplementations (see `python/kakeyaturbo/eval/baselines.py`), except `hf-*`,
 transformers' own `QuantizedCache` run as it ships; all are counted by the same rule: codes
-bit-packed, scales/zero-points/norms fp16 (fp8 scales fp32), seeded rotations and fixed
-codebooks free. `bits` is a method's nominal code width; bits/value = 16 / ratio is what it
-really stores per cached number, side information included. For `hf-*`, `allocated_bytes` in
+bit-packed, scales/zero-points/norms fp16 (fp8 scales fp32; kakeya's token norms a byte each
+plus two fp16 bounds per block stream), seeded rotations and fixed codebooks free. `bits` is
+a method's nominal code width; bits/value = 16 / ratio is what it really stores per cached
+number, side information included. For `hf-*`, `allocated_bytes` in
 the JSON is what the backend's tensors actually occupy in memory; `hf-fp8` has no residual
 window, so as shipped it also quantizes the scored continuation tokens.
 
