@@ -250,6 +250,12 @@ def main(argv=None) -> None:
         help="KakeyaCache's block size (the default recipe's otherwise)",
     )
     ap.add_argument(
+        "--post-rope",
+        action="store_true",
+        help="KakeyaCache codes keys after RoPE (pre_rope=False; no bundle): attention over "
+        "the codes then scores keys in their frame, without the per-token frame product",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -286,6 +292,8 @@ def main(argv=None) -> None:
         options["recipe"] = default_recipe(calibration, block_size=args.block_size)
     if args.residual_length is not None:
         options["residual_length"] = args.residual_length
+    if args.post_rope:
+        options["pre_rope"] = False
     probe = KakeyaCache(model.config, **options)  # what the caches use
     recipe = probe.recipe
     # Ratios are against bf16 KV bytes whatever the model's dtype (a float32 model's

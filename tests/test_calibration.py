@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,21 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
     assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3
     with pytest.raises(ValueError, match="mode"):
         scan(model, tok, bundle[1], calib_text, mode="chunked", **kw)
+
+
+def test_post_rope_moments_rotate_queries_and_keys_only(model_and_tok, calib_text):
+    # collect_moments(rope=...) (the post-RoPE key-frame probe): RoPE is a rotation, so each
+    # head's second moments keep their trace while the matrices change; values are untouched.
+    from kakeyaturbo.calibration.fit import collect_moments
+    from kakeyaturbo.hf.rope import ModelRope
+
+    model, tok = model_and_tok
+    ids = tok(Path(calib_text).read_text()[:20000], add_special_tokens=False)["input_ids"][:512]
+    pre = collect_moments(model, ids, ctx=256, progress=False)
+    post = collect_moments(model, ids, ctx=256, progress=False, rope=ModelRope(model.config))
+    for a, b in zip(pre, post):
+        np.testing.assert_array_equal(a.vv, b.vv)
+        for x, y in ((a.kk, b.kk), (a.qq, b.qq)):
+            trace = np.trace(x, axis1=1, axis2=2)
+            np.testing.assert_allclose(np.trace(y, axis1=1, axis2=2), trace, rtol=1e-5)
+            assert np.abs(x - y).max() > 1e-3 * np.abs(x).max()

@@ -59,8 +59,10 @@ def test_bytes_are_a_byte_per_token_and_two_float16_per_stream():
 
 def test_blocks_decode_together_as_apart_and_rows_select():
     a, b = _norms(5.0, seed=1), _norms(3.0, shape=(2, 3, 40), seed=2)
-    ca, cb = encode_norms(a), encode_norms(b)
-    together = decode_norms([ca, cb])
-    assert torch.equal(together, torch.cat([ca.decode(), cb.decode()], dim=-1))
+    ca, ca2, cb = encode_norms(a), encode_norms(_norms(2.0, seed=3)), encode_norms(b)
+    # A run of equal-length blocks, then a shorter one: each token keeps its own block's bounds.
+    together = decode_norms([ca, ca2, cb, ca])
+    apart = [ca.decode(), ca2.decode(), cb.decode(), ca.decode()]
+    assert torch.equal(together, torch.cat(apart, dim=-1))
     picked = ca.select_rows(torch.tensor([1, 1, 0]))
     assert torch.equal(picked.decode(), ca.decode()[[1, 1, 0]])

@@ -45,3 +45,20 @@ def test_half_split_matches_the_model(real_kv, model_dir):
     pos = torch.arange(k.shape[2])[None]
     pre = spec.unrotate(k, pos)[0].numpy()
     np.testing.assert_allclose(pre, real_kv["layer1.k_pre_rope"], rtol=1e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize(("model_type", "factor"), [("llama", 1.0), ("gptj", 1.0), ("llama", 0.5)])
+def test_paired_turn_is_rotate_in_paired_order(model_type, factor):
+    """The complex-product RoPE that attention over the codes uses is rotate, channels
+    reordered: both pairings, and a partial rotary dimension (unrotated channels kept)."""
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64)
+    cfg.model_type, cfg.partial_rotary_factor = model_type, factor
+    spec = rotary_spec_from_config(cfg)
+    assert spec.rot_dim == int(64 * factor)
+    order = spec.paired_order(64)
+    assert sorted(order.tolist()) == list(range(64))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 64, generator=g)
+    pos = torch.randint(0, 8000, (2, 40), generator=g)
+    turned = spec.turn_paired(x[..., order].clone(), spec.rotation(pos, x.device))
+    torch.testing.assert_close(turned, spec.rotate(x, pos)[..., order], rtol=0, atol=2e-5)

@@ -10,9 +10,12 @@ of a float16 norm.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ._runs import equal_runs
 
 __all__ = ["NormCodes", "decode_norms", "encode_norms"]
 
@@ -70,11 +73,13 @@ def encode_norms(norms: torch.Tensor) -> NormCodes:
 
 def decode_norms(parts: list[NormCodes]) -> torch.Tensor:
     """The norms of consecutive blocks, concatenated: ``[rows, heads, sum(tokens)]`` float32."""
-    codes = torch.cat([p.codes for p in parts], dim=-1) if len(parts) > 1 else parts[0].codes
-    llo, step = _log_bounds(torch.stack([p.bounds for p in parts], dim=-2))  # [R, H, blocks]
-    if len(parts) > 1:  # one block's bounds broadcast over its tokens as they are
-        counts = torch.tensor([p.codes.shape[-1] for p in parts])
-        llo = llo.repeat_interleave(counts, dim=-1)
-        step = step.repeat_interleave(counts, dim=-1)
-    c = codes.float()
-    return torch.where(c > 0, torch.exp2(llo + (c - 1) * step), torch.zeros_like(c))
+    runs = [_decode_run(run) for run in equal_runs(parts, lambda p: p.codes.shape[-1])]
+    return torch.cat(runs, dim=-1) if len(runs) > 1 else runs[0]
+
+
+def _decode_run(parts: Sequence[NormCodes]) -> torch.Tensor:
+    # Each block's bounds broadcast over its tokens: [R, H, blocks, tokens], then flattened.
+    codes = torch.stack([p.codes for p in parts], dim=-2)
+    llo, step = _log_bounds(torch.stack([p.bounds for p in parts], dim=-2))
+    norms = codes.float().sub_(1).mul_(step[..., None]).add_(llo[..., None]).exp2_()
+    return norms.masked_fill_(codes == 0, 0.0).flatten(-2)

@@ -30,6 +30,7 @@ exact values over their decoded slots. The recent window is the caller's: it is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from . import codec as _codec
+from ._runs import equal_runs
 from .norm_codes import NormCodes, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
@@ -219,15 +221,8 @@ class Pipeline:
         attention weights instead of scaling every value."""
         if not blocks:
             raise ValueError("decode: no blocks")
-        parts = []
         # Equal-length blocks decode in one parallel call.
-        i = 0
-        while i < len(blocks):
-            j = i
-            while j < len(blocks) and blocks[j].tokens == blocks[i].tokens:
-                j += 1
-            parts.append(_decode_run(blocks[i:j], rows))
-            i = j
+        parts = [_decode_run(run, rows) for run in equal_runs(blocks, lambda blk: blk.tokens)]
         y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         if not self.recipe.token_norms(stream):
             return y, None
@@ -349,7 +344,7 @@ def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:
         raise ValueError(f"layer {layer} {stream}: {exc}") from None
 
 
-def _decode_run(blocks: list[CodedBlock], rows: int) -> torch.Tensor:
+def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
     """Decode equally long blocks in one call -> [rows, H, n_blocks * tokens, D]: the streams
     are handed over stream-major (each (row, head) stream's blocks in token order), so the
     decoded array is already in that layout and needs no concatenation."""

@@ -41,9 +41,11 @@ class _Moments:
 
 
 def collect_moments(
-    model, token_ids: list[int], ctx: int = 1024, progress: bool = True
+    model, token_ids: list[int], ctx: int = 1024, progress: bool = True, rope=None
 ) -> list[_Moments]:
-    """Runs ``token_ids`` through the model in windows of ``ctx`` tokens."""
+    """Runs ``token_ids`` through the model in windows of ``ctx`` tokens. With ``rope`` (a
+    :class:`~kakeyaturbo.hf.rope.ModelRope`) the queries and keys are taken post-RoPE, each
+    window's tokens at positions 0.. (for post-RoPE key frames)."""
     import torch
 
     cfg = model.config
@@ -60,8 +62,10 @@ def collect_moments(
 
             def hook(_m, _i, out, li=li, name=name):
                 # [T, H, D] for the window in flight (one sequence per forward)
-                x = heads_first(out.detach(), n_tokens[0], d)[0].transpose(0, 1)
-                current[(li, name)] = x.double().numpy()
+                x = heads_first(out.detach(), n_tokens[0], d)
+                if rope is not None and name != "v":
+                    x = rope.rotate(x.float(), li, 0)
+                current[(li, name)] = x[0].transpose(0, 1).double().numpy()
 
             hooks.append(mod.register_forward_hook(hook))
     windows = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - 1, ctx)]

@@ -7,9 +7,11 @@ the attention of the same forward. :meth:`CodedView.attend` then computes one so
 parts:
 
 - **keys** of the blocks are decoded to frame coordinates by the codec, taken through the frame
-  (one ``[D, D]`` product per head) and turned to their RoPE positions, with the angles computed
-  once per forward for all layers; the logits are one matrix product per KV head for all of its
-  query heads (no ``repeat_kv`` copy);
+  (one ``[D, D]`` product per head, into RoPE's paired channel order) and turned to their RoPE
+  positions by one complex product, with the rotation computed once per forward for all
+  layers; the logits are one matrix product per KV head for all of its query heads (no
+  ``repeat_kv`` copy). Keys coded post-RoPE stay in the frame: the query is taken into it
+  instead (``q M^T``), once per query row;
 - **values** are never taken out of the frame per token: attention is linear in them, so
   ``sum_t p_t v_t = (sum_t p_t y_t) @ M`` and the frame ``M`` is applied once per query;
 - **sinks** are read exact: their coded slots (which hold the block mean) are masked out and the
@@ -75,12 +77,18 @@ class CodedView:
         # is linear in each key and value, so no decoded vector is rescaled.
         keys, k_scale = pipe.decode_codes([blk.k for blk in self.blocks], "k", b)
         frame = pipe.frame_inverse(li, "k")
-        if frame is not None:
-            keys = keys @ frame
         if lay._rope is not None:
-            pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
-            keys = lay._rope.turn(keys, *self._angles(pos))
-        coded = q @ keys.to(dev).transpose(-1, -2)
+            # Keys leave the frame with their channels in RoPE's paired order (the frame's
+            # columns permuted, free), so RoPE is one complex product; the query follows.
+            order = lay._rope.paired_order(d)
+            keys = keys[..., order] if frame is None else keys @ frame[..., order]
+            keys = lay._rope.turn_paired(keys, self._rotation())
+            coded = q[..., order.to(dev)] @ keys.to(dev).transpose(-1, -2)
+        else:
+            # Keys coded post-RoPE never leave the frame: q . (y M) = (q M^T) . y, one [D, D]
+            # product per query row instead of one per coded token.
+            qf = q if frame is None else q @ frame.to(dev).transpose(-1, -2)
+            coded = qf @ keys.to(dev).transpose(-1, -2)
         if k_scale is not None:
             coded.mul_(k_scale.to(dev)[:, :, None])
         scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
@@ -104,14 +112,19 @@ class CodedView:
         out += probs[..., clen:] @ value.float()
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
 
-    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin at the coded ``positions`` (every layer of a forward codes the same token
-        positions: computed once per forward and RoPE)."""
-        rope = self.layer._rope
+    def _rotation(self) -> torch.Tensor:
+        """RoPE's complex rotation at the coded positions (every layer of a forward codes the
+        same token positions: computed once per forward and RoPE). The blocks' stored
+        positions (a row's first one, or all) tell equal position sets apart without
+        expanding them."""
+        rope, blocks = self.layer._rope, self.blocks
+        stored = torch.cat([blk.pos for blk in blocks], dim=-1)
         return self._shared(
-            ("angles",),
-            (rope.inv_freq, positions),
-            lambda: rope.cos_sin(positions, positions.device),
+            ("rotation", tuple(blk.pos.shape[-1] for blk in blocks)),
+            (rope.inv_freq, stored),
+            lambda: rope.rotation(
+                torch.cat([blk.positions for blk in blocks], dim=-1), stored.device
+            ),
         )
 
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:

@@ -73,6 +73,29 @@ class RotarySpec:
             out[..., self.rot_dim :] = rest
         return out.to(x.dtype)
 
+    def paired_order(self, head_dim: int) -> torch.Tensor:
+        """The channel order ``[head_dim]`` that puts each rotated pair side by side (``i``,
+        ``i + rot_dim/2``, ...), the unrotated channels after: the layout
+        :meth:`turn_paired` works in. A dot product of two vectors is the same in it."""
+        half = self.rot_dim // 2
+        if self.adjacent_pairs:
+            return torch.arange(head_dim)
+        pairs = torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()
+        return torch.cat((pairs, torch.arange(self.rot_dim, head_dim)))
+
+    def rotation(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``cos + i sin`` of each pair's angle at ``positions`` [B, T]: [B, 1, T, rot_dim //
+        2] complex64, for :meth:`turn_paired`."""
+        return torch.complex(*self.cos_sin(positions, device))
+
+    def turn_paired(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """RoPE on float32 ``x`` [B, H, T, D] whose channels are in :meth:`paired_order`, in
+        place: each pair is one complex number turned by one complex product (several times
+        cheaper than :meth:`turn` on the halves)."""
+        pairs = x[..., : self.rot_dim].unflatten(-1, (self.rot_dim // 2, 2))
+        torch.view_as_complex(pairs).mul_(rotation)
+        return x
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to ``x`` [B, H, T, D] at integer ``positions`` [B, T]."""
         return self._apply(x, positions, 1.0)
