@@ -57,7 +57,9 @@ def main(argv=None) -> None:
         "kakeya:pre_rope=false",
     ):
         method = build_method(spec)
-        method.calibration = None  # the probe's own check: its frames are post-RoPE
+        # The bundle lives in the method's pipeline; clearing the attribute only lifts the
+        # method's "calibration needs pre_rope" check, which this probe's bundle would fail.
+        method.calibration = None
         r = evaluate_method(setup.model, setup.reference, method, "snapshot")
         print(f"{spec:60s} {smollm2_eval.scores(r, digits=3)}", flush=True)
 

@@ -80,7 +80,7 @@ class CodedView:
         if lay._rope is not None:
             # Keys leave the frame with their channels in RoPE's paired order (the frame's
             # columns permuted, free), so RoPE is one complex product; the query follows.
-            order = lay._rope.paired_order(d)
+            order = self._paired_order(d)
             keys = keys[..., order] if frame is None else keys @ frame[..., order]
             keys = lay._rope.turn_paired(keys, self._rotation())
             coded = q[..., order.to(dev)] @ keys.to(dev).transpose(-1, -2)
@@ -111,6 +111,15 @@ class CodedView:
             out = out @ frame.to(dev)
         out += probs[..., clen:] @ value.float()
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+
+    def _paired_order(self, d: int) -> torch.Tensor:
+        """RoPE's paired channel order, built once per forward for the layers sharing a RoPE."""
+        rope = self.layer._rope
+        return self._shared(
+            ("paired_order", d, rope.rot_dim, rope.adjacent_pairs),
+            (),
+            lambda: rope.paired_order(d),
+        )
 
     def _rotation(self) -> torch.Tensor:
         """RoPE's complex rotation at the coded positions (every layer of a forward codes the
