@@ -26,14 +26,16 @@ use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
 use kakeyaturbo::{
-    decode_layer, encode_block, encode_layer, kmeans, pca, rsvd, Allocation, BasisRef, CodecParams,
-    EncodedLayer, InputDtype, PcaMethod,
+    decode_layer, decode_layer_into, encode_block, encode_layer, kmeans, pca, rsvd, Allocation,
+    BasisRef, CodecParams, EncodedLayer, InputDtype, PcaMethod,
 };
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
 const BLOCK: usize = 512;
+/// The shipped recipe's block (`kakeyaturbo.recipes.DEFAULT_BLOCK_SIZE`).
+const RECIPE_BLOCK: usize = 256;
 const LAYER_TOKENS: usize = 4096;
 const DIMS: [usize; 2] = [64, 128];
 const BITS: [u8; 2] = [2, 4];
@@ -252,10 +254,10 @@ criterion_group!(
 );
 
 /// The shipped recipe (`recipes.waterfill_params`): water-filling at 2.5 bits per value,
-/// identity basis (the frame is applied outside the codec), no skeleton, 512-token blocks.
+/// identity basis (the frame is applied outside the codec), no skeleton, 256-token blocks.
 fn recipe_params() -> CodecParams {
     CodecParams {
-        block_size: BLOCK,
+        block_size: RECIPE_BLOCK,
         allocation: Allocation::Waterfill,
         pca_method: PcaMethod::None,
         k: 0,
@@ -268,7 +270,8 @@ fn recipe_params() -> CodecParams {
 /// The shipped recipe on a 4,096-token layer, with a `memcpy` of the same number of f32
 /// bytes in the same group, so that every speed reads as a ratio to memory bandwidth
 /// measured in the same run. `decode_layer` runs its blocks on the global rayon pool;
-/// `decode_layer_1t` runs them inside a one-thread pool (the per-core speed). Every id
+/// `decode_layer_1t` runs them inside a one-thread pool (the per-core speed);
+/// `decode_into_1t` is that into a reused buffer, as the Python bindings decode. Every id
 /// reports the f32 bytes decoded (or, for `encode_layer`, encoded).
 fn bench_recipe(c: &mut Criterion) {
     let one = rayon::ThreadPoolBuilder::new()
@@ -295,6 +298,11 @@ fn bench_recipe(c: &mut Criterion) {
         });
         g.bench_function(id("decode_layer_1t"), |b| {
             one.install(|| b.iter(|| decode_layer(black_box(&enc)).unwrap()))
+        });
+        // What the Python bindings' batch decode does: a caller's buffer, no fresh zeroed Vec.
+        let mut out = vec![0.0f32; x.len()];
+        g.bench_function(id("decode_into_1t"), |b| {
+            one.install(|| b.iter(|| decode_layer_into(black_box(&enc), None, &mut out).unwrap()))
         });
         g.bench_function(id("encode_layer"), |b| {
             b.iter(|| {

@@ -108,19 +108,23 @@ impl BitWriter {
     #[inline]
     pub fn put(&mut self, v: u16, bits: u32) {
         debug_assert!(bits <= 16 && (bits == 16 || (v as u32) < (1 << bits)));
+        // Fewer than 32 bits wait in `acc` between calls, so 16 more always fit; flushing
+        // four bytes at a time keeps the byte loop (and its branch) off the hot path.
         self.acc |= (v as u64) << self.n;
         self.n += bits;
-        while self.n >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n -= 8;
+        if self.n >= 32 {
+            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            self.acc >>= 32;
+            self.n -= 32;
         }
     }
 
     /// The bytes, the last one zero-padded.
     pub fn finish(mut self) -> Vec<u8> {
-        if self.n > 0 {
+        while self.n > 0 {
             self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n = self.n.saturating_sub(8);
         }
         self.out
     }

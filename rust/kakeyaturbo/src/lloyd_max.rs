@@ -14,6 +14,10 @@ use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 
+/// Codebooks with at most this many decision bounds (a 4-bit book has 15) quantise by
+/// counting the bounds below a value, not by searching them.
+const SMALL_BOUNDS: usize = 16;
+
 const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 fn phi(x: f64) -> f64 {
@@ -43,6 +47,8 @@ fn x_phi(x: f64) -> f64 {
 pub struct Codebook {
     levels: Vec<f32>,
     bounds: Vec<f32>,
+    /// `bounds` padded with +inf to a fixed length when they fit (else `None`).
+    small: Option<[f32; SMALL_BOUNDS]>,
 }
 
 impl Codebook {
@@ -59,8 +65,17 @@ impl Codebook {
                 "codebook levels must be finite and strictly ascending".into(),
             ));
         }
-        let bounds = levels.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
-        Ok(Codebook { levels, bounds })
+        let bounds: Vec<f32> = levels.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        let small = (bounds.len() <= SMALL_BOUNDS).then(|| {
+            let mut padded = [f32::INFINITY; SMALL_BOUNDS];
+            padded[..bounds.len()].copy_from_slice(&bounds);
+            padded
+        });
+        Ok(Codebook {
+            levels,
+            bounds,
+            small,
+        })
     }
 
     /// The levels, ascending.
@@ -71,7 +86,13 @@ impl Codebook {
     /// Index of the nearest level (ties go up).
     #[inline]
     pub fn quantize(&self, v: f32) -> u16 {
-        self.bounds.partition_point(|&b| b <= v) as u16
+        match &self.small {
+            // Counting the bounds at or below `v` over a fixed length compiles to a few
+            // vector compares: a binary search over a few bounds mispredicts on every value.
+            // (The +inf padding never counts: inputs are finite.)
+            Some(b) => b.iter().map(|&b| u16::from(b <= v)).sum(),
+            None => self.bounds.partition_point(|&b| b <= v) as u16,
+        }
     }
 
     /// The level of an index; indices are validated by the caller (the codec only
@@ -275,6 +296,23 @@ mod tests {
         // Panter-Dite asymptote: D ~ (sqrt(3) pi / 2) 4^-b ≈ 4.15e-5 at 8 bits.
         let d = cb.gaussian_distortion();
         assert!(d < 5e-5 && d > 3e-5, "8-bit distortion {d}");
+    }
+
+    #[test]
+    fn counting_and_searching_quantisers_agree_on_every_width() {
+        for bits in 1..=8u8 {
+            let cb = gaussian(bits).unwrap();
+            // A dense grid plus every bound and its neighbours (ties go up in both).
+            let mut vals: Vec<f32> = (-6000..=6000).map(|i| i as f32 / 1000.0).collect();
+            for &b in &cb.bounds {
+                vals.extend([b, b - 1e-6, b + 1e-6]);
+            }
+            vals.extend([-60_000.0, 60_000.0]);
+            for v in vals {
+                let searched = cb.bounds.partition_point(|&b| b <= v) as u16;
+                assert_eq!(cb.quantize(v), searched, "{bits} bits, value {v}");
+            }
+        }
     }
 
     #[test]

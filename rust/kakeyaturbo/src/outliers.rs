@@ -15,7 +15,12 @@ pub const OUTLIER_BYTES: usize = 6;
 /// Appends the outliers of one scaled, rotated vector (`base` is the flat position of its
 /// first coordinate); returns how many were added.
 pub fn collect(scaled: &[f32], threshold: f32, base: u32, out: &mut Vec<(u32, f16)>) -> usize {
-    if !threshold.is_finite() {
+    // Outliers are rare: one branch-free pass first, the ordered scan only when one is there.
+    if !threshold.is_finite()
+        || !scaled
+            .iter()
+            .fold(false, |any, v| any | (v.abs() > threshold))
+    {
         return 0;
     }
     let before = out.len();

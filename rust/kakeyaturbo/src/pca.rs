@@ -208,10 +208,12 @@ pub fn project(
     basis: &[f32],
     d_eff: usize,
 ) -> Vec<f32> {
-    let centred: Vec<f32> = x
-        .chunks_exact(d)
-        .flat_map(|row| row.iter().zip(mean).map(|(v, m)| v - m))
-        .collect();
+    let mut centred = x[..n * d].to_vec();
+    for row in centred.chunks_exact_mut(d) {
+        for (v, m) in row.iter_mut().zip(mean) {
+            *v -= m;
+        }
+    }
     if basis.is_empty() {
         return centred;
     }

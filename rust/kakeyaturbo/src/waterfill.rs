@@ -35,24 +35,31 @@ pub const MAX_COMPONENT_BITS: u8 = 8;
 /// Greedy integer water-filling of `total_bits` over components with `variances`.
 pub fn allocate(variances: &[f32], total_bits: usize) -> Vec<u8> {
     let mut bits = vec![0u8; variances.len()];
+    // What the next bit of each component removes; 0 once it is full (never picked).
+    let next_gain = |v: f32, b: u8| {
+        if b >= MAX_COMPONENT_BITS {
+            0.0
+        } else {
+            v as f64 * (gaussian_distortion(b) - gaussian_distortion(b + 1))
+        }
+    };
+    let mut gains: Vec<f64> = variances.iter().map(|&v| next_gain(v, 0)).collect();
     let cap = total_bits.min(variances.len() * MAX_COMPONENT_BITS as usize);
     for _ in 0..cap {
+        // The first of the largest gains, as a scan in order finds it.
         let mut best = None;
         let mut best_gain = 0.0f64;
-        for (j, (&v, &b)) in variances.iter().zip(&bits).enumerate() {
-            if b >= MAX_COMPONENT_BITS {
-                continue;
-            }
-            let gain = v as f64 * (gaussian_distortion(b) - gaussian_distortion(b + 1));
-            if gain > best_gain {
-                best_gain = gain;
+        for (j, &g) in gains.iter().enumerate() {
+            if g > best_gain {
+                best_gain = g;
                 best = Some(j);
             }
         }
-        match best {
-            Some(j) => bits[j] += 1,
-            None => break, // every remaining component has zero variance
-        }
+        let Some(j) = best else {
+            break; // every remaining component has zero variance
+        };
+        bits[j] += 1;
+        gains[j] = next_gain(variances[j], bits[j]);
     }
     bits
 }
@@ -114,27 +121,26 @@ pub fn encode(
     let sig: Vec<f32> = sigma.iter().map(|s| s.to_f32()).collect();
     let budget = (p.bits_per_value as f64 * d as f64).round() as usize;
     let comp_bits = allocate(&sig.iter().map(|s| s * s).collect::<Vec<_>>(), budget);
-    let books: Vec<Option<&Codebook>> = comp_bits
+    // The coded components with their codebooks, in order: one code each per vector.
+    let coded: Vec<(usize, &Codebook)> = comp_bits
         .iter()
-        .map(|&b| (b > 0).then(|| book(b)))
+        .enumerate()
+        .filter(|&(_, &b)| b > 0)
+        .map(|(j, &b)| (j, book(b)))
         .collect();
-    let coded = comp_bits.iter().filter(|&&b| b > 0).count();
-    let mut codes = Vec::with_capacity(n * coded);
+    let divisor: Vec<f32> = sig.iter().map(|&s| if s > 0.0 { s } else { 1.0 }).collect();
+    let mut codes = Vec::with_capacity(n * coded.len());
     let mut outl = Vec::new();
     let mut z = vec![0.0f32; d_eff];
-    for i in 0..n {
-        for j in 0..d_eff {
-            // Bounded so that outliers stay finite in f16 (tokens of weight zero do not
-            // shape sigma and may sit far outside it).
-            z[j] = if sig[j] > 0.0 {
-                (coeffs[i * d_eff + j] / sig[j]).clamp(-MAX_MAGNITUDE, MAX_MAGNITUDE)
-            } else {
-                0.0
-            };
-            if let Some(cb) = books[j] {
-                codes.push(cb.quantize(z[j]));
-            }
+    for (i, row) in coeffs.chunks_exact(d_eff).enumerate() {
+        // Bounded so that outliers stay finite in f16 (tokens of weight zero do not shape
+        // sigma and may sit far outside it). Dividing by 1 where sigma is 0 and selecting
+        // after keeps the loop free of branches, so it runs in vector lanes.
+        for (((zj, &c), &s), &div) in z.iter_mut().zip(row).zip(&sig).zip(&divisor) {
+            let q = (c / div).clamp(-MAX_MAGNITUDE, MAX_MAGNITUDE);
+            *zj = if s > 0.0 { q } else { 0.0 };
         }
+        codes.extend(coded.iter().map(|&(j, cb)| cb.quantize(z[j])));
         outliers::collect(&z, p.outlier_threshold, (i * d_eff) as u32, &mut outl);
     }
     WaterfillBody {
