@@ -240,6 +240,19 @@ pub fn encode_block(
     block_index: usize,
 ) -> Result<EncodedBlock> {
     check_input(x, n, d)?;
+    encode_checked_block(x, n, d, weights, p, basis, block_index)
+}
+
+/// [`encode_block`] on input already checked (a layer checks its whole input once).
+fn encode_checked_block(
+    x: &[f32],
+    n: usize,
+    d: usize,
+    weights: Option<&[f32]>,
+    p: &CodecParams,
+    basis: BasisRef<'_>,
+    block_index: usize,
+) -> Result<EncodedBlock> {
     // A block whose tokens all have weight zero (e.g. padding) is coded unweighted: the
     // layer's weights were checked as a whole, and zero everywhere says nothing.
     let weights = weights.filter(|w| w.iter().any(|&v| v != 0.0));
@@ -376,7 +389,7 @@ pub fn encode_layer_with(
         .map(|bi| {
             let lo = bi * bs;
             let hi = (lo + bs).min(n);
-            encode_block(
+            encode_checked_block(
                 &x[lo * d..hi * d],
                 hi - lo,
                 d,
