@@ -32,6 +32,29 @@ def model(model_dir):
     return load_model(model_dir)[0]
 
 
+@pytest.fixture(params=["kernels", "torch"])
+def cpu_path(request, monkeypatch):
+    """Both ways attention over the codes computes: the codec's kernels (the CPU default) and
+    torch ops over decoded frame coordinates (what other devices run)."""
+    import kakeyaturbo.hf.coded_attention as coded_attention
+    from kakeyaturbo.pipeline import Pipeline
+
+    kernels = request.param == "kernels"
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", kernels)
+    calls = []
+    for name in ("key_logits", "value_sums"):
+        real = getattr(Pipeline, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Pipeline, name, counted)
+    yield request.param
+    # The path asked for is the one that ran.
+    assert (set(calls) == {"key_logits", "value_sums"}) if kernels else not calls
+
+
 @pytest.fixture
 def attend_calls(monkeypatch):
     """How many times the coded path ran (the real method, counted)."""
@@ -100,7 +123,7 @@ RECIPE = default_recipe(block_size=64)
     ],
     ids=["default", "post-rope", "key-norms", "no-sinks", "bf16-hot"],
 )
-def test_coded_attention_matches_decoding(model, attend_calls, kw):
+def test_coded_attention_matches_decoding(model, attend_calls, cpu_path, kw):
     ids, mask = padded_batch(model.config.vocab_size)
     # A bfloat16 hot window rounds each new token: a 1e-6 difference between the two paths'
     # hidden states can flip a rounding (4e-3 relative), so the later logits drift more apart.
@@ -159,7 +182,9 @@ def test_coded_attention_needs_sdpa(model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("calibrated", [False, True], ids=["self-fitted", "calibrated"])
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
-def test_coded_attention_other_architectures(arch, calibrated, attend_calls, tmp_path):
+def test_coded_attention_other_architectures(
+    arch, calibrated, attend_calls, cpu_path, tmp_path
+):
     """Gemma 3 (sliding layers stay sdpa, head_dim 256, one KV head, its own query scaling)
     and Qwen3 (q/k norms before RoPE), with self-fitted and calibrated frames."""
     from test_architectures import BLOCK, bundle, tiny

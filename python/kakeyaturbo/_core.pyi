@@ -7,7 +7,8 @@ import numpy.typing as npt
 
 __all__ = [
     "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
-    "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "decode_batch",
+    "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
+    "coded_value_sums", "decode_batch",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
     "stage_errors", "wht_rotate",
 ]
@@ -144,6 +145,20 @@ def decode_batch(
     encs: Sequence[EncodedLayer], bases: Optional[Sequence[Basis]] = None
 ) -> npt.NDArray[np.float32]: ...
 def stage_errors(x: npt.NDArray[Any], params: CodecParams) -> dict[str, float]: ...
+def coded_key_logits(
+    encs: Sequence[EncodedLayer],
+    streams: int,
+    queries: npt.NDArray[np.float32],
+    frames: Optional[npt.NDArray[np.float32]] = None,
+    rotation: Optional[npt.NDArray[np.float32]] = None,
+    norms: Optional[npt.NDArray[np.float32]] = None,
+) -> npt.NDArray[np.float32]: ...
+def coded_value_sums(
+    encs: Sequence[EncodedLayer],
+    streams: int,
+    weights: npt.NDArray[np.float32],
+    norms: Optional[npt.NDArray[np.float32]] = None,
+) -> npt.NDArray[np.float32]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...
 def fit_codebook(samples: npt.NDArray[Any], bits: int, iters: int = 100) -> list[float]: ...
 def wht_rotate(x: Sequence[float], seed: int, inverse: bool = False) -> list[float]: ...

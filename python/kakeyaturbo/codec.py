@@ -231,3 +231,41 @@ def fit_codebook(samples: Any, bits: int, iters: int = 100) -> np.ndarray:
     arr, bf16, _ = to_core(samples, "samples", 1)
     arr = np.ascontiguousarray(_widen(arr, bf16)) if (bf16 or arr.dtype != np.float32) else arr
     return np.asarray(_core.fit_codebook(arr, bits, iters), dtype=np.float32)
+
+
+def _raws(encs: Sequence[EncodedLayer]) -> list:
+    for i, e in enumerate(encs):
+        if not isinstance(e, EncodedLayer):
+            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
+    return [e._raw for e in encs]
+
+
+def coded_key_logits(
+    encs: Sequence[EncodedLayer],
+    streams: int,
+    queries: np.ndarray,
+    frames: Optional[np.ndarray] = None,
+    rotation: Optional[np.ndarray] = None,
+    norms: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """Attention logits ``[streams, g, tokens]`` of ``queries`` ``[streams, g, head_dim]``
+    against coded keys, without a decoded copy: ``q . rope_t(y_t @ frames[s % heads]) *
+    norms[s, t] / |y_t|``. ``encs`` holds ``streams`` streams one after the other, each
+    stream's blocks in token order; ``frames`` ``[heads, head_dim, head_dim]`` (None:
+    identity); ``rotation`` ``[rows or 1, tokens, 2, pairs]``, the cosines then the sines
+    turning channels ``(i, i + pairs)`` (None: no RoPE); ``norms`` ``[streams, tokens]`` (None:
+    no scale). float32, C-contiguous."""
+    return _core.coded_key_logits(_raws(encs), streams, queries, frames, rotation, norms)
+
+
+def coded_value_sums(
+    encs: Sequence[EncodedLayer],
+    streams: int,
+    weights: np.ndarray,
+    norms: Optional[np.ndarray] = None,
+) -> np.ndarray:
+    """``sum_t weights[s, j, t] * norms[s, t] / |y_t| * y_t`` ``[streams, g, head_dim]`` over
+    coded values (laid out as for :func:`coded_key_logits`), in the coding frame, without a
+    decoded copy. ``weights`` ``[streams, g, tokens]``; ``norms`` ``[streams, tokens]`` (None:
+    no scale). float32, C-contiguous."""
+    return _core.coded_value_sums(_raws(encs), streams, weights, norms)

@@ -232,6 +232,54 @@ class Pipeline:
         # rise that a small MSE hides).
         return y, norms / y.norm(dim=-1).clamp_min(1e-12)
 
+    def key_logits(
+        self,
+        blocks: list[CodedBlock],
+        rows: int,
+        queries: torch.Tensor,
+        frames: Optional[torch.Tensor],
+        rotation: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention logits ``[rows, H, G, T]`` of ``queries`` ``[rows, H, G, D]`` against the
+        keys coded in ``blocks``, computed by the codec block by block with no decoded copy:
+        ``q . rope_t(y_t @ frames[h])``, times the token-norm scale of :meth:`decode_codes`.
+        ``frames`` ``[H, D, D]`` (None: identity); ``rotation`` ``[rows or 1, T, 2, pairs]``,
+        the cosines then the sines turning channel pairs ``(i, i + pairs)`` (None: no RoPE).
+        CPU float32."""
+        encs, streams = _stream_major(blocks)
+        h, g = queries.shape[1], queries.shape[2]
+        logits = _codec.coded_key_logits(
+            encs,
+            streams,
+            _np(queries.reshape(streams, g, -1)),
+            None if frames is None else _np(frames),
+            None if rotation is None else _np(rotation),
+            self._norms_np(blocks, "k", streams),
+        )
+        return torch.from_numpy(logits).view(rows, h, g, -1)
+
+    def value_sums(
+        self, blocks: list[CodedBlock], rows: int, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_t weights[..., t] * y_t`` ``[rows, H, G, D]`` over the values coded in
+        ``blocks`` (``weights`` ``[rows, H, G, T]``), in the coding frame (apply
+        :meth:`frame_inverse` after), token-norm scales included, with no decoded copy. CPU
+        float32."""
+        encs, streams = _stream_major(blocks)
+        h, g = weights.shape[1], weights.shape[2]
+        sums = _codec.coded_value_sums(
+            encs,
+            streams,
+            _np(weights.reshape(streams, g, -1)),
+            self._norms_np(blocks, "v", streams),
+        )
+        return torch.from_numpy(sums).view(rows, h, g, -1)
+
+    def _norms_np(self, blocks: list[CodedBlock], stream: str, streams: int):
+        if not self.recipe.token_norms(stream):
+            return None
+        return _np(decode_norms([blk.norms for blk in blocks]).reshape(streams, -1))  # type: ignore[misc]
+
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
         :meth:`decode_frame` (None: the identity frame)."""
@@ -344,12 +392,23 @@ def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:
         raise ValueError(f"layer {layer} {stream}: {exc}") from None
 
 
+def _stream_major(blocks: Sequence[CodedBlock]) -> tuple[list, int]:
+    """The blocks' encodings stream-major (each (row, head) stream's blocks in token order),
+    the layout the codec's batch calls take, and the number of streams."""
+    streams = len(blocks[0].encs)
+    return [blk.encs[s] for s in range(streams) for blk in blocks], streams
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous float32 numpy view of a CPU tensor (a copy only where it must)."""
+    return t.detach().to(torch.float32).contiguous().numpy()
+
+
 def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
     """Decode equally long blocks in one call -> [rows, H, n_blocks * tokens, D]: the streams
     are handed over stream-major (each (row, head) stream's blocks in token order), so the
     decoded array is already in that layout and needs no concatenation."""
-    streams = len(blocks[0].encs)
-    encs = [blk.encs[s] for s in range(streams) for blk in blocks]
+    encs, streams = _stream_major(blocks)
     out = _codec.decode_batch(encs)
     y = torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
     n, t, d = len(blocks), blocks[0].tokens, y.shape[-1]

@@ -6,19 +6,24 @@ sit in blocks, the hot window, the new tokens) and leaves a :class:`CodedView` o
 the attention of the same forward. :meth:`CodedView.attend` then computes one softmax over both
 parts:
 
-- **keys** of the blocks are decoded to frame coordinates by the codec, taken through the frame
-  (one ``[D, D]`` product per head, into RoPE's paired channel order) and turned to their RoPE
-  positions by one complex product, with the rotation computed once per forward for all
-  layers; the logits are one matrix product per KV head for all of its query heads (no
-  ``repeat_kv`` copy). Keys coded post-RoPE stay in the frame: the query is taken into it
-  instead (``q M^T``), once per query row;
+- **keys** of the blocks are taken through the frame (one ``[D, D]`` product per head and token,
+  into a channel order where each RoPE pair is ``(i, i + rot_dim/2)``), turned to their RoPE
+  positions and scored against all query heads of their KV head (no ``repeat_kv`` copy), with
+  the rotation computed once per forward for all layers. Keys coded post-RoPE stay in the
+  frame: the query is taken into it instead (``q M^T``), once per query row;
 - **values** are never taken out of the frame per token: attention is linear in them, so
   ``sum_t p_t v_t = (sum_t p_t y_t) @ M`` and the frame ``M`` is applied once per query;
 - **sinks** are read exact: their coded slots (which hold the block mean) are masked out and the
   exact sink keys and values lead the exact part.
 
-Nothing decoded outlives the call, so the cache holds what its ``memory_report`` says. The codes
-are the ones the dense path decodes: outputs agree with it to float32 rounding.
+On the CPU the codec computes both sums itself (``Pipeline.key_logits`` / ``value_sums``, the
+Rust ``coded_attention`` kernels): each block is decoded into a scratch buffer that stays in
+cache and finished there (frame, RoPE, logits; norms, weighted sum), blocks in parallel, so no
+decoded copy of the layer is ever written. On other devices the blocks are decoded to frame
+coordinates and the same arithmetic runs in torch (``CPU_KERNELS = False`` runs that path on
+the CPU too). Nothing decoded outlives the call, so the cache holds what its ``memory_report``
+says. The codes are the ones the dense path decodes: outputs agree with it to float32
+rounding.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+#: Where attention over the codes computes on the CPU: with the codec's kernels (each block
+#: decoded into a cache-sized scratch and finished there, no decoded copy of the layer; the
+#: default), or with torch ops over the decoded frame coordinates, as on other devices.
+CPU_KERNELS = True
 
 
 @dataclass(eq=False)
@@ -73,24 +83,9 @@ class CodedView:
         clen = self.coded_length
         q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
 
-        # Token norms (when a stream has them) scale a token's logit or its weight: attention
-        # is linear in each key and value, so no decoded vector is rescaled.
-        keys, k_scale = pipe.decode_codes([blk.k for blk in self.blocks], "k", b)
-        frame = pipe.frame_inverse(li, "k")
-        if lay._rope is not None:
-            # Keys leave the frame with their channels in RoPE's paired order (the frame's
-            # columns permuted, free), so RoPE is one complex product; the query follows.
-            order = self._paired_order(d)
-            keys = keys[..., order] if frame is None else keys @ frame[..., order]
-            keys = lay._rope.turn_paired(keys, self._rotation())
-            coded = q[..., order.to(dev)] @ keys.to(dev).transpose(-1, -2)
-        else:
-            # Keys coded post-RoPE never leave the frame: q . (y M) = (q M^T) . y, one [D, D]
-            # product per query row instead of one per coded token.
-            qf = q if frame is None else q @ frame.to(dev).transpose(-1, -2)
-            coded = qf @ keys.to(dev).transpose(-1, -2)
-        if k_scale is not None:
-            coded.mul_(k_scale.to(dev)[:, :, None])
+        kernels = CPU_KERNELS and dev.type == "cpu"
+        kb = [blk.k for blk in self.blocks]
+        coded = self._codec_logits(q, kb) if kernels else self._torch_logits(q, kb, dev)
         scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
         scores.mul_(scaling)
         if softcap is not None:
@@ -101,16 +96,60 @@ class CodedView:
         # A query row with every key masked (a padded row) gets zeros, not NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).view(b, h, g * tq, -1)
 
-        values, v_scale = pipe.decode_codes([blk.v for blk in self.blocks], "v", b)
-        weights = probs[..., :clen]
-        if v_scale is not None:
-            weights = weights * v_scale.to(dev)[:, :, None]
-        out = weights @ values.to(dev)
+        vb = [blk.v for blk in self.blocks]
+        if kernels:
+            out = pipe.value_sums(vb, b, probs[..., :clen])
+        else:
+            values, v_scale = pipe.decode_codes(vb, "v", b)
+            weights = probs[..., :clen]
+            if v_scale is not None:
+                weights = weights * v_scale.to(dev)[:, :, None]
+            out = weights @ values.to(dev)
         frame = pipe.frame_inverse(li, "v")
         if frame is not None:
             out = out @ frame.to(dev)
         out += probs[..., clen:] @ value.float()
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+
+    def _codec_logits(self, q: torch.Tensor, kb: list) -> torch.Tensor:
+        """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by
+        block (decode, frame, RoPE, dot) with no decoded copy of the layer: the CPU path."""
+        lay = self.layer
+        pipe, d = lay._ctx.pipeline, q.shape[-1]
+        frame = pipe.frame_inverse(lay.layer_idx, "k")
+        if lay._rope is None:
+            # Keys coded post-RoPE never leave the frame: q . (y M) = (q M^T) . y.
+            qf = q if frame is None else q @ frame.transpose(-1, -2)
+            return pipe.key_logits(kb, q.shape[0], qf, None, None)
+        # Keys leave the frame with each RoPE pair at channels (i, i + rot_dim/2) (the frame's
+        # columns permuted, free; already so for half-split RoPE), where the codec turns them
+        # over contiguous halves; the query follows.
+        order = lay._rope.split_order(d)
+        if order is not None:  # an identity frame becomes the permutation
+            frame = torch.eye(d).expand(q.shape[1], d, d) if frame is None else frame
+            frame, q = frame[..., order], q[..., order]
+        return pipe.key_logits(kb, q.shape[0], q, frame, self._rotation("split"))
+
+    def _torch_logits(self, q: torch.Tensor, kb: list, dev) -> torch.Tensor:
+        """:meth:`_codec_logits` on another device: the blocks decoded to frame coordinates
+        on the CPU, the rest in torch on ``dev``."""
+        lay = self.layer
+        pipe, d = lay._ctx.pipeline, q.shape[-1]
+        # Token norms (when a stream has them) scale a token's logit: attention is linear in
+        # each key, so no decoded vector is rescaled.
+        keys, k_scale = pipe.decode_codes(kb, "k", q.shape[0])
+        frame = pipe.frame_inverse(lay.layer_idx, "k")
+        if lay._rope is not None:
+            order = self._paired_order(d)
+            keys = keys[..., order] if frame is None else keys @ frame[..., order]
+            keys = lay._rope.turn_paired(keys, self._rotation("complex"))
+            coded = q[..., order.to(dev)] @ keys.to(dev).transpose(-1, -2)
+        else:
+            qf = q if frame is None else q @ frame.to(dev).transpose(-1, -2)
+            coded = qf @ keys.to(dev).transpose(-1, -2)
+        if k_scale is not None:
+            coded.mul_(k_scale.to(dev)[:, :, None])
+        return coded
 
     def _paired_order(self, d: int) -> torch.Tensor:
         """RoPE's paired channel order, built once per forward for the layers sharing a RoPE."""
@@ -121,19 +160,18 @@ class CodedView:
             lambda: rope.paired_order(d),
         )
 
-    def _rotation(self) -> torch.Tensor:
-        """RoPE's complex rotation at the coded positions (every layer of a forward codes the
-        same token positions: computed once per forward and RoPE). The blocks' stored
-        positions (a row's first one, or all) tell equal position sets apart without
-        expanding them."""
+    def _rotation(self, form: str) -> torch.Tensor:
+        """RoPE's rotation at the coded positions, ``"complex"`` (:meth:`RotarySpec.rotation`)
+        or ``"split"`` (:meth:`RotarySpec.split_rotation`). Every layer of a forward codes the
+        same token positions: computed once per forward and RoPE. The blocks' stored positions
+        (a row's first one, or all) tell equal position sets apart without expanding them."""
         rope, blocks = self.layer._rope, self.blocks
         stored = torch.cat([blk.pos for blk in blocks], dim=-1)
+        make = rope.rotation if form == "complex" else rope.split_rotation
         return self._shared(
-            ("rotation", tuple(blk.pos.shape[-1] for blk in blocks)),
+            ("rotation", form, tuple(blk.pos.shape[-1] for blk in blocks)),
             (rope.inv_freq, stored),
-            lambda: rope.rotation(
-                torch.cat([blk.positions for blk in blocks], dim=-1), stored.device
-            ),
+            lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), stored.device),
         )
 
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:

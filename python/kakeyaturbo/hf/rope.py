@@ -83,6 +83,26 @@ class RotarySpec:
         pairs = torch.stack((torch.arange(half), torch.arange(half) + half), dim=-1).flatten()
         return torch.cat((pairs, torch.arange(self.rot_dim, head_dim)))
 
+    def split_order(self, head_dim: int) -> torch.Tensor | None:
+        """The channel order that puts each rotated pair at ``(i, i + rot_dim/2)``, the
+        unrotated channels after (None: the model's own order already does, as half-split
+        RoPE's does): the layout of the codec's attention kernel (``coded_key_logits``)."""
+        if not self.adjacent_pairs:
+            return None
+        return torch.cat(
+            (
+                torch.arange(0, self.rot_dim, 2),
+                torch.arange(1, self.rot_dim, 2),
+                torch.arange(self.rot_dim, head_dim),
+            )
+        )
+
+    def split_rotation(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """cos, then sin, of each pair's angle at ``positions`` [B, T]: [B, T, 2, rot_dim //
+        2] float32, the rotation ``coded_key_logits`` takes."""
+        c, s_ = self.cos_sin(positions, device)
+        return torch.stack((c[:, 0], s_[:, 0]), dim=-2)
+
     def rotation(self, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``cos + i sin`` of each pair's angle at ``positions`` [B, T]: [B, 1, T, rot_dim //
         2] complex64, for :meth:`turn_paired`."""

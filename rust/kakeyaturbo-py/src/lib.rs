@@ -2,6 +2,7 @@
 //! algorithm lives in the `kakeyaturbo` crate.
 
 mod arrays;
+mod attention;
 mod codec;
 mod errors;
 mod params;
@@ -23,6 +24,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::decode_layer, m)?)?;
     m.add_function(wrap_pyfunction!(codec::decode_batch, m)?)?;
     m.add_function(wrap_pyfunction!(codec::stage_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::coded_key_logits, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::coded_value_sums, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -48,6 +51,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "KakeyaTurboError",
             "UnsupportedVersionError",
             "codec_params_defaults",
+            "coded_key_logits",
+            "coded_value_sums",
             "decode_batch",
             "decode_layer",
             "encode_batch",

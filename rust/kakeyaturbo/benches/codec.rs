@@ -13,6 +13,7 @@
 //! cargo bench -p kakeyaturbo                 # everything
 //! cargo bench -p kakeyaturbo -- encode_layer # one group
 //! cargo bench -p kakeyaturbo -- recipe_waterfill # the shipped recipe, as a ratio to memcpy
+//! cargo bench -p kakeyaturbo -- coded_attention  # attention kernels, as a ratio to decoding
 //! ```
 
 use std::hint::black_box;
@@ -23,6 +24,7 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
 };
 use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
+use kakeyaturbo::coded_attention::{key_logits, value_sums, CodedStreams, RopeAngles};
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
 use kakeyaturbo::{
@@ -313,6 +315,73 @@ fn bench_recipe(c: &mut Criterion) {
     g.finish();
 }
 
+/// Attention over coded blocks as `KakeyaCache` runs it at 4k tokens: 3 KV-head streams of
+/// 4,096 tokens in 256-token blocks, 3 query rows per stream (GQA), one thread. `decode` is
+/// the floor (every block decoded into a reused buffer); `key_logits` adds the frame product,
+/// RoPE and the dots, `key_logits_no_frame` only RoPE and the dots, `value_sums` the norm scale
+/// and the weighted sums. Every id reports the f32 bytes decoded, so each reads as a ratio to
+/// `decode` in the same run.
+fn bench_coded_attention(c: &mut Criterion) {
+    const STREAMS: usize = 3;
+    const ROWS: usize = 3;
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    let mut g = group(c, "coded_attention");
+    for d in DIMS {
+        let p = recipe_params();
+        let blocks = LAYER_TOKENS / RECIPE_BLOCK;
+        let encs: Vec<EncodedLayer> = (0..STREAMS * blocks)
+            .map(|i| {
+                let x = common::kv_like(RECIPE_BLOCK, d, SEED ^ (i * 131 + d) as u64);
+                encode_layer(&x, RECIPE_BLOCK, d, None, &p, InputDtype::F32).unwrap()
+            })
+            .collect();
+        let refs: Vec<&EncodedLayer> = encs.iter().collect();
+        let coded = CodedStreams::new(&refs, STREAMS).unwrap();
+        let t = LAYER_TOKENS;
+        let frames = common::kv_like(STREAMS * d, d, SEED ^ 0xF7);
+        let rot: Vec<f32> = (0..t * d).map(|i| (i as f32 * 0.01).sin()).collect();
+        let q = common::kv_like(STREAMS * ROWS, d, SEED ^ 0x9);
+        let w = vec![1.0 / t as f32; STREAMS * ROWS * t];
+        let norms = vec![1.0f32; STREAMS * t];
+        let id = |name: &str| BenchmarkId::new(name, format!("D{d}"));
+        g.throughput(f32_bytes(STREAMS * t, d));
+
+        let mut out = vec![0.0f32; RECIPE_BLOCK * d];
+        g.bench_function(id("decode_1t"), |b| {
+            one.install(|| {
+                b.iter(|| {
+                    for e in &refs {
+                        decode_layer_into(black_box(e), None, &mut out).unwrap();
+                    }
+                })
+            })
+        });
+        let rotation = || {
+            Some(RopeAngles {
+                values: &rot,
+                rows: 1,
+                pairs: d / 2,
+            })
+        };
+        g.bench_function(id("key_logits_1t"), |b| {
+            one.install(|| {
+                b.iter(|| key_logits(&coded, Some((&frames, STREAMS)), rotation(), None, &q, ROWS))
+            })
+        });
+        g.bench_function(id("key_logits_no_frame_1t"), |b| {
+            one.install(|| b.iter(|| key_logits(&coded, None, rotation(), None, &q, ROWS)))
+        });
+        g.bench_function(id("value_sums_1t"), |b| {
+            one.install(|| b.iter(|| value_sums(&coded, &w, Some(&norms), ROWS)))
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(layers, bench_block, bench_layer);
 criterion_group!(recipe, bench_recipe);
-criterion_main!(stages, layers, recipe);
+criterion_group!(attention, bench_coded_attention);
+criterion_main!(stages, layers, recipe, attention);

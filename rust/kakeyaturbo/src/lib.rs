@@ -19,13 +19,17 @@
 //! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format ([`format`]).
 //!
 //! The layer and block driver lives in [`codec`], parameters in [`params`], per-stage error
-//! diagnostics in [`stages`]. The decoder treats every byte as hostile: decoding either
+//! diagnostics in [`stages`]; [`coded_attention`] computes attention logits and value sums
+//! over coded blocks without a decoded copy of the layer. The decoder treats every byte as hostile: decoding either
 //! succeeds or returns [`Error`], never panics.
-#![forbid(unsafe_code)]
+// The only unsafe code is the run-time dispatch to AVX + FMA builds of the attention kernels
+// (`coded_attention`), allowed there alone.
+#![deny(unsafe_code)]
 
 pub mod basis;
 pub mod bitpack;
 pub mod codec;
+pub mod coded_attention;
 pub mod error;
 pub mod format;
 pub mod kmeans;

@@ -1,0 +1,503 @@
+//! Attention arithmetic over coded blocks, without a decoded copy of the layer.
+//!
+//! `KakeyaCache`'s attention (`python/kakeyaturbo/hf/coded_attention.py`) needs, per layer
+//! and step, the logits of the queries against the coded keys and the attention-weighted sum
+//! of the coded values. Decoding every block into one array and finishing in torch writes the
+//! whole decoded layer to memory and reads it back once per pass (frame product, RoPE, logits;
+//! norms, weighted sum). These kernels decode one block at a time into a scratch buffer that
+//! stays in cache and finish the arithmetic there, blocks in parallel:
+//!
+//! - [`key_logits`]: `logit[s, j, t] = q[s, j] . rope_t(y_t M_h) * scale_t`: decode, frame
+//!   product (one `[D, D]` matrix per head), RoPE on channel pairs `(i, i + pairs)` (the
+//!   "rotate half" layout, so it runs over contiguous halves), a dot with every query row.
+//! - [`value_sums`]: `out[s, j] = sum_t w[s, j, t] scale_t y_t`, still in frame coordinates
+//!   (the caller applies the frame once per query row).
+//!
+//! `scale_t = norm_t / |y_t|` when the stream stores token norms (the decoded vector is a unit
+//! direction whose length the quantiser shrank), 1 otherwise. Streams are stream-major lists of
+//! encoded blocks ([`CodedStreams`]); stream `s` is row `s / heads`, head `s % heads`.
+//!
+//! The products are written so the compiler vectorises them (independent lanes, no float
+//! reassociation needed) and are compiled twice: for the baseline target (SSE2 on x86-64,
+//! what a portable wheel is built for) and, picked at run time, with AVX and FMA.
+
+use rayon::prelude::*;
+
+use crate::codec::{decode_layer_into, EncodedLayer};
+use crate::error::{Error, Result};
+
+/// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
+const MIN_NORM: f32 = 1e-12;
+
+/// Coded streams as the kernels take them: `streams` streams one after the other, each
+/// stream's blocks in token order, every stream with the same block lengths and head dim.
+pub struct CodedStreams<'a> {
+    encs: &'a [&'a EncodedLayer],
+    streams: usize,
+    /// Token offset of each block within its stream (`blocks + 1` entries).
+    offsets: Vec<usize>,
+    d: usize,
+}
+
+impl<'a> CodedStreams<'a> {
+    /// Checks the layout: a non-empty whole number of blocks per stream, equal block lengths
+    /// across streams, one head dim, no external basis.
+    pub fn new(encs: &'a [&'a EncodedLayer], streams: usize) -> Result<Self> {
+        if streams == 0 || encs.is_empty() || !encs.len().is_multiple_of(streams) {
+            return Err(Error::Shape(format!(
+                "{} blocks do not split into {streams} streams",
+                encs.len()
+            )));
+        }
+        let blocks = encs.len() / streams;
+        let d = encs[0].shape().1;
+        let mut offsets = Vec::with_capacity(blocks + 1);
+        offsets.push(0);
+        for e in &encs[..blocks] {
+            offsets.push(offsets[offsets.len() - 1] + e.shape().0);
+        }
+        for (i, e) in encs.iter().enumerate() {
+            let (n, di) = e.shape();
+            let b = i % blocks;
+            if di != d || n != offsets[b + 1] - offsets[b] {
+                return Err(Error::Shape(format!(
+                    "block {b} of stream {} is {n} x {di}, stream 0's is {} x {d}: streams must \
+                     have equal blocks",
+                    i / blocks,
+                    offsets[b + 1] - offsets[b]
+                )));
+            }
+            if e.external_fingerprint().is_some() {
+                return Err(Error::InvalidParams(
+                    "a block uses an external basis, which attention over codes does not take"
+                        .into(),
+                ));
+            }
+        }
+        Ok(Self {
+            encs,
+            streams,
+            offsets,
+            d,
+        })
+    }
+
+    /// Tokens per stream.
+    pub fn tokens(&self) -> usize {
+        self.offsets[self.offsets.len() - 1]
+    }
+
+    /// Head dim.
+    pub fn head_dim(&self) -> usize {
+        self.d
+    }
+
+    /// Streams.
+    pub fn streams(&self) -> usize {
+        self.streams
+    }
+
+    fn blocks(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// Runs `f(stream, decoded block, its first token)` on every block in parallel, each
+    /// block decoded into a per-thread scratch buffer; results in (stream, block) order.
+    fn map_blocks<R: Send>(&self, f: impl Fn(usize, &[f32], usize) -> R + Sync) -> Result<Vec<R>> {
+        let (nb, d) = (self.blocks(), self.d);
+        (0..self.encs.len())
+            .into_par_iter()
+            .map_init(Vec::new, |scratch: &mut Vec<f32>, i| {
+                let (s, b) = (i / nb, i % nb);
+                let n = self.offsets[b + 1] - self.offsets[b];
+                scratch.resize(n * d, 0.0);
+                decode_layer_into(self.encs[i], None, scratch)?;
+                Ok(f(s, scratch, self.offsets[b]))
+            })
+            .collect()
+    }
+}
+
+/// `got` must be the product of `dims` (checked: a zero-sized array may declare dims whose
+/// product overflows).
+fn check_len(name: &str, got: usize, dims: &[usize], shape: &str) -> Result<()> {
+    match dims.iter().try_fold(1usize, |p, &x| p.checked_mul(x)) {
+        Some(want) if want == got => Ok(()),
+        want => Err(Error::Shape(format!(
+            "{name}: {got} values, expected {} ({shape} = {dims:?})",
+            want.map_or("more than fit in memory".into(), |w| w.to_string())
+        ))),
+    }
+}
+
+/// The RoPE rotation of [`key_logits`]: at every coded token the cosines, then the sines, of
+/// the angles of channel pairs `(i, i + pairs)`, `[rows, tokens, 2, pairs]` (`rows` 1: shared
+/// by every row).
+pub struct RopeAngles<'a> {
+    pub values: &'a [f32],
+    pub rows: usize,
+    pub pairs: usize,
+}
+
+/// Logits `[streams, g, tokens]` of the queries `[streams, g, d]` against the coded keys:
+/// `q[s, j] . rope_t(y_t M_h) * scale_t` with `M_h` the `h`-th of `frames` (`[heads, d, d]`,
+/// `None`: the identity), RoPE turning channels `(i, i + pairs)` for `i < pairs` as complex
+/// numbers, and `scale_t = norms[s, t] / |y_t|` when `norms` (`[streams, tokens]`) is given.
+pub fn key_logits(
+    coded: &CodedStreams<'_>,
+    frames: Option<(&[f32], usize)>,
+    rotation: Option<RopeAngles<'_>>,
+    norms: Option<&[f32]>,
+    queries: &[f32],
+    g: usize,
+) -> Result<Vec<f32>> {
+    let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
+    check_len(
+        "queries",
+        queries.len(),
+        &[s_n, g, d],
+        "streams x rows x head_dim",
+    )?;
+    if let Some((m, heads)) = frames {
+        if heads == 0 || s_n % heads != 0 {
+            return Err(Error::Shape(format!(
+                "{s_n} streams do not group over {heads} heads"
+            )));
+        }
+        check_len(
+            "frames",
+            m.len(),
+            &[heads, d, d],
+            "heads x head_dim x head_dim",
+        )?;
+    }
+    if let Some(r) = &rotation {
+        if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
+            return Err(Error::Shape(format!(
+                "rotation: {} rows of {} pairs for {s_n} streams of head dim {d}",
+                r.rows, r.pairs
+            )));
+        }
+        check_len(
+            "rotation",
+            r.values.len(),
+            &[r.rows, t_n, 2, r.pairs],
+            "rows x tokens x 2 x pairs",
+        )?;
+    }
+    if let Some(nm) = norms {
+        check_len("norms", nm.len(), &[s_n, t_n], "streams x tokens")?;
+    }
+    let parts = coded.map_blocks(|s, y, t0| {
+        let n = y.len() / d;
+        let m = frames.map(|(m, heads)| &m[(s % heads) * d * d..][..d * d]);
+        let rot = rotation.as_ref().map(|r| {
+            let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
+            let w = 2 * r.pairs;
+            (&r.values[(row * t_n + t0) * w..][..n * w], r.pairs)
+        });
+        let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
+        let q = &queries[s * g * d..][..g * d];
+        let mut out = vec![0.0f32; g * n];
+        let args = (y, d, m, rot, nm, q, g);
+        if avx_fma() {
+            block_logits_avx_fma(args, &mut out)
+        } else {
+            block_logits::<false>(args, &mut out)
+        }
+        out
+    })?;
+    let nb = coded.blocks();
+    let mut logits = vec![0.0f32; s_n * g * t_n];
+    for (i, part) in parts.iter().enumerate() {
+        let (s, b) = (i / nb, i % nb);
+        let (t0, n) = (coded.offsets[b], coded.offsets[b + 1] - coded.offsets[b]);
+        for j in 0..g {
+            logits[(s * g + j) * t_n + t0..][..n].copy_from_slice(&part[j * n..][..n]);
+        }
+    }
+    Ok(logits)
+}
+
+/// Weighted sums `[streams, g, d]` of the coded values, in frame coordinates:
+/// `sum_t weights[s, j, t] * scale_t * y_t` with `scale_t = norms[s, t] / |y_t|` when `norms`
+/// (`[streams, tokens]`) is given. `weights` is `[streams, g, tokens]`.
+pub fn value_sums(
+    coded: &CodedStreams<'_>,
+    weights: &[f32],
+    norms: Option<&[f32]>,
+    g: usize,
+) -> Result<Vec<f32>> {
+    let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
+    check_len(
+        "weights",
+        weights.len(),
+        &[s_n, g, t_n],
+        "streams x rows x tokens",
+    )?;
+    if let Some(nm) = norms {
+        check_len("norms", nm.len(), &[s_n, t_n], "streams x tokens")?;
+    }
+    let parts = coded.map_blocks(|s, y, t0| {
+        let n = y.len() / d;
+        let w = &weights[s * g * t_n..][..g * t_n];
+        let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
+        let mut out = vec![0.0f32; g * d];
+        let args = (y, d, w, t_n, t0, nm, g);
+        if avx_fma() {
+            block_sums_avx_fma(args, &mut out)
+        } else {
+            block_sums::<false>(args, &mut out)
+        }
+        out
+    })?;
+    // Blocks add up in token order, so the result does not depend on the thread count.
+    let nb = coded.blocks();
+    let mut sums = vec![0.0f32; s_n * g * d];
+    for (i, part) in parts.iter().enumerate() {
+        let acc = &mut sums[(i / nb) * g * d..][..g * d];
+        acc.iter_mut().zip(part).for_each(|(a, p)| *a += p);
+    }
+    Ok(sums)
+}
+
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// `a . b`. The baseline build sums 8 independent lanes (the compiler vectorises that only
+/// two lanes wide: a float reduction is not reassociated), the FMA build is written with AVX
+/// intrinsics.
+#[inline(always)]
+fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        #[allow(unsafe_code)]
+        // SAFETY: `FMA` builds run only inside the AVX + FMA kernels below, which are called
+        // where `avx_fma()` found those features (the tests check it too).
+        return unsafe { dot_avx_fma(a, b) };
+    }
+    let mut acc = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for l in 0..8 {
+            acc[l] = madd::<FMA>(x[l], y[l], acc[l]);
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `out[col..col + W] = y . m[:, col..col + W]` (`m` is `d x d` row-major), the `W` sums in
+/// registers across the whole row of `y`.
+#[inline(always)]
+fn frame_tile<const W: usize, const FMA: bool>(
+    y: &[f32],
+    m: &[f32],
+    d: usize,
+    col: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [0.0f32; W];
+    for (j, &a) in y.iter().enumerate() {
+        let row = &m[j * d + col..][..W];
+        for c in 0..W {
+            acc[c] = madd::<FMA>(a, row[c], acc[c]);
+        }
+    }
+    out[col..col + W].copy_from_slice(&acc);
+}
+
+/// `out = y M` for one row `y` (`M` is `d x d`), in column tiles of 64, 16 and 1.
+#[inline(always)]
+fn times_frame<const FMA: bool>(y: &[f32], m: &[f32], out: &mut [f32]) {
+    let d = y.len();
+    let mut col = 0;
+    while col + 64 <= d {
+        frame_tile::<64, FMA>(y, m, d, col, out);
+        col += 64;
+    }
+    while col + 16 <= d {
+        frame_tile::<16, FMA>(y, m, d, col, out);
+        col += 16;
+    }
+    while col < d {
+        frame_tile::<1, FMA>(y, m, d, col, out);
+        col += 1;
+    }
+}
+
+#[inline(always)]
+fn token_scale<const FMA: bool>(norms: Option<&[f32]>, t: usize, y: &[f32]) -> f32 {
+    match norms {
+        None => 1.0,
+        Some(nm) => nm[t] / dot::<FMA>(y, y).sqrt().max(MIN_NORM),
+    }
+}
+
+/// `(decoded block, head dim, frame, (rotation, pairs), norms, queries, query rows)`.
+type LogitArgs<'a> = (
+    &'a [f32],
+    usize,
+    Option<&'a [f32]>,
+    Option<(&'a [f32], usize)>,
+    Option<&'a [f32]>,
+    &'a [f32],
+    usize,
+);
+
+/// `(decoded block, head dim, weights, tokens, first token, norms, query rows)`.
+type SumArgs<'a> = (
+    &'a [f32],
+    usize,
+    &'a [f32],
+    usize,
+    usize,
+    Option<&'a [f32]>,
+    usize,
+);
+
+/// Logits of one decoded block: `out` is `[g, n]`.
+#[inline(always)]
+fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
+    let (y, d, m, rot, norms, q, g) = args;
+    let n = y.len() / d;
+    let mut k = vec![0.0f32; d];
+    for (t, yt) in y.chunks_exact(d).enumerate() {
+        match m {
+            Some(m) => times_frame::<FMA>(yt, m, &mut k),
+            None => k.copy_from_slice(yt),
+        }
+        if let Some((r, pairs)) = rot {
+            let (cos, sin) = r[t * 2 * pairs..][..2 * pairs].split_at(pairs);
+            let (re, rest) = k.split_at_mut(pairs);
+            for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
+                (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+            }
+        }
+        let scale = token_scale::<FMA>(norms, t, yt);
+        for j in 0..g {
+            out[j * n + t] = dot::<FMA>(&q[j * d..][..d], &k) * scale;
+        }
+    }
+}
+
+/// Weighted sums of one decoded block into `out` (`[g, d]`).
+#[inline(always)]
+fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
+    let (y, d, w, t_n, t0, norms, g) = args;
+    for (t, yt) in y.chunks_exact(d).enumerate() {
+        let scale = token_scale::<FMA>(norms, t, yt);
+        for j in 0..g {
+            let wt = w[j * t_n + t0 + t] * scale;
+            // Masked tokens (weight 0) add nothing; skipping them is exact.
+            if wt != 0.0 {
+                let acc = &mut out[j * d..][..d];
+                for (a, &v) in acc.iter_mut().zip(yt) {
+                    *a = madd::<FMA>(wt, v, *a);
+                }
+            }
+        }
+    }
+}
+
+// Run-time dispatch to AVX + FMA builds of the kernels: the only unsafe code of the crate.
+// Each wrapper is the generic kernel (`#[inline(always)]`, so it is compiled inside the wrapper
+// with the wrapper's target features); calling it is sound only on a CPU that has them, which
+// `avx_fma` checks.
+
+/// Whether this CPU runs the AVX + FMA builds.
+fn avx_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx") && is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+fn block_logits_avx_fma(args: LogitArgs<'_>, out: &mut [f32]) {
+    #[target_feature(enable = "avx,fma")]
+    fn kernel(args: LogitArgs<'_>, out: &mut [f32]) {
+        block_logits::<true>(args, out)
+    }
+    // SAFETY: called only where `avx_fma()` found AVX and FMA on this CPU.
+    unsafe { kernel(args, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+fn block_sums_avx_fma(args: SumArgs<'_>, out: &mut [f32]) {
+    #[target_feature(enable = "avx,fma")]
+    fn kernel(args: SumArgs<'_>, out: &mut [f32]) {
+        block_sums::<true>(args, out)
+    }
+    // SAFETY: called only where `avx_fma()` found AVX and FMA on this CPU.
+    unsafe { kernel(args, out) }
+}
+
+/// `a . b` in two 8-lane AVX accumulators, then the tail.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma")]
+#[allow(unsafe_code)]
+fn dot_avx_fma(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    // SAFETY (every load): `i + 8 <= n` (or `i + 16 <= n`), within both slices.
+    while i + 16 <= n {
+        let (x0, y0) = unsafe { (_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i))) };
+        let (x1, y1) = unsafe {
+            (
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+            )
+        };
+        acc0 = _mm256_fmadd_ps(x0, y0, acc0);
+        acc1 = _mm256_fmadd_ps(x1, y1, acc1);
+        i += 16;
+    }
+    if i + 8 <= n {
+        let (x0, y0) = unsafe { (_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i))) };
+        acc0 = _mm256_fmadd_ps(x0, y0, acc0);
+        i += 8;
+    }
+    let acc = _mm256_add_ps(acc0, acc1);
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    let mut sum = _mm_cvtss_f32(s);
+    for j in i..n {
+        sum = a[j].mul_add(b[j], sum);
+    }
+    sum
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn block_logits_avx_fma(args: LogitArgs<'_>, out: &mut [f32]) {
+    block_logits::<false>(args, out)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn block_sums_avx_fma(args: SumArgs<'_>, out: &mut [f32]) {
+    block_sums::<false>(args, out)
+}
+
+#[cfg(test)]
+mod tests;
