@@ -19,7 +19,8 @@
 //!
 //! The products are written so the compiler vectorises them (independent lanes, no float
 //! reassociation needed) and are compiled twice: for the baseline target (SSE2 on x86-64,
-//! what a portable wheel is built for) and, picked at run time, with AVX and FMA.
+//! what a portable wheel is built for) and, picked at run time, with AVX and FMA, whose dot
+//! product is written with AVX intrinsics (the compiler's own was two lanes wide).
 
 use rayon::prelude::*;
 
