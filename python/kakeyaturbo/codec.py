@@ -190,19 +190,25 @@ def encode_batch(
     return [EncodedLayer(r, origin) for r in raws]
 
 
+def _raws(encs: Sequence[EncodedLayer]) -> list:
+    """The core layers of ``encs``, or a TypeError naming the first that is not one."""
+    for i, e in enumerate(encs):
+        if not isinstance(e, EncodedLayer):
+            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
+    return [e._raw for e in encs]
+
+
 def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases: Any = None) -> Any:
     """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel
     (``bases`` as in :func:`encode_batch`, for layers encoded with one)."""
     encs = list(encs)
     if not encs:
         raise ValueError("encs: the list is empty")
-    for i, e in enumerate(encs):
-        if not isinstance(e, EncodedLayer):
-            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
+    raws = _raws(encs)
     dtypes = {e.dtype for e in encs}
     if len(dtypes) != 1:
         raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
-    values = _core.decode_batch([e._raw for e in encs], bases=_bases(bases))
+    values = _core.decode_batch(raws, bases=_bases(bases))
     return from_core(values, encs[0].dtype, encs[0]._origin, out)
 
 
@@ -231,13 +237,6 @@ def fit_codebook(samples: Any, bits: int, iters: int = 100) -> np.ndarray:
     arr, bf16, _ = to_core(samples, "samples", 1)
     arr = np.ascontiguousarray(_widen(arr, bf16)) if (bf16 or arr.dtype != np.float32) else arr
     return np.asarray(_core.fit_codebook(arr, bits, iters), dtype=np.float32)
-
-
-def _raws(encs: Sequence[EncodedLayer]) -> list:
-    for i, e in enumerate(encs):
-        if not isinstance(e, EncodedLayer):
-            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
-    return [e._raw for e in encs]
 
 
 def coded_key_logits(

@@ -200,12 +200,7 @@ pub fn key_logits(
         let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
-        let args = (y, d, m, rot, nm, q, g);
-        if avx_fma() {
-            block_logits_avx_fma(args, &mut out)
-        } else {
-            block_logits::<false>(args, &mut out)
-        }
+        run_block_logits((y, d, m, rot, nm, q, g), &mut out);
         out
     })?;
     let nb = coded.blocks();
@@ -244,12 +239,7 @@ pub fn value_sums(
         let w = &weights[s * g * t_n..][..g * t_n];
         let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
         let mut out = vec![0.0f32; g * d];
-        let args = (y, d, w, t_n, t0, nm, g);
-        if avx_fma() {
-            block_sums_avx_fma(args, &mut out)
-        } else {
-            block_sums::<false>(args, &mut out)
-        }
+        run_block_sums((y, d, w, t_n, t0, nm, g), &mut out);
         out
     })?;
     // Blocks add up in token order, so the result does not depend on the thread count.
@@ -279,8 +269,8 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if FMA {
         #[allow(unsafe_code)]
-        // SAFETY: `FMA` builds run only inside the AVX + FMA kernels below, which are called
-        // where `avx_fma()` found those features (the tests check it too).
+        // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s below, which are called
+        // right after `avx_fma()` found those features.
         return unsafe { dot_avx_fma(a, b) };
     }
     let mut acc = [0.0f32; 8];
@@ -413,11 +403,11 @@ fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
 }
 
 // Run-time dispatch to AVX + FMA builds of the kernels: the only unsafe code of the crate.
-// Each wrapper is the generic kernel (`#[inline(always)]`, so it is compiled inside the wrapper
-// with the wrapper's target features); calling it is sound only on a CPU that has them, which
-// `avx_fma` checks.
+// Each `kernel` is the generic kernel (`#[inline(always)]`, so it is compiled inside `kernel`
+// with its target features); it is called only right after `avx_fma()` found them.
 
 /// Whether this CPU runs the AVX + FMA builds.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // elsewhere only the tests ask
 fn avx_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -429,26 +419,34 @@ fn avx_fma() -> bool {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
+/// [`block_logits`], built with AVX + FMA where this CPU has them.
 #[allow(unsafe_code)]
-fn block_logits_avx_fma(args: LogitArgs<'_>, out: &mut [f32]) {
-    #[target_feature(enable = "avx,fma")]
-    fn kernel(args: LogitArgs<'_>, out: &mut [f32]) {
-        block_logits::<true>(args, out)
+fn run_block_logits(args: LogitArgs<'_>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx_fma() {
+        #[target_feature(enable = "avx,fma")]
+        fn kernel(args: LogitArgs<'_>, out: &mut [f32]) {
+            block_logits::<true>(args, out)
+        }
+        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
+        return unsafe { kernel(args, out) };
     }
-    // SAFETY: called only where `avx_fma()` found AVX and FMA on this CPU.
-    unsafe { kernel(args, out) }
+    block_logits::<false>(args, out)
 }
 
-#[cfg(target_arch = "x86_64")]
+/// [`block_sums`], built with AVX + FMA where this CPU has them.
 #[allow(unsafe_code)]
-fn block_sums_avx_fma(args: SumArgs<'_>, out: &mut [f32]) {
-    #[target_feature(enable = "avx,fma")]
-    fn kernel(args: SumArgs<'_>, out: &mut [f32]) {
-        block_sums::<true>(args, out)
+fn run_block_sums(args: SumArgs<'_>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx_fma() {
+        #[target_feature(enable = "avx,fma")]
+        fn kernel(args: SumArgs<'_>, out: &mut [f32]) {
+            block_sums::<true>(args, out)
+        }
+        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
+        return unsafe { kernel(args, out) };
     }
-    // SAFETY: called only where `avx_fma()` found AVX and FMA on this CPU.
-    unsafe { kernel(args, out) }
+    block_sums::<false>(args, out)
 }
 
 /// `a . b` in two 8-lane AVX accumulators, then the tail.
@@ -488,16 +486,6 @@ fn dot_avx_fma(a: &[f32], b: &[f32]) -> f32 {
         sum = a[j].mul_add(b[j], sum);
     }
     sum
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn block_logits_avx_fma(args: LogitArgs<'_>, out: &mut [f32]) {
-    block_logits::<false>(args, out)
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn block_sums_avx_fma(args: SumArgs<'_>, out: &mut [f32]) {
-    block_sums::<false>(args, out)
 }
 
 #[cfg(test)]

@@ -199,8 +199,8 @@ fn value_sums_match_the_decoded_values() {
 
 #[test]
 fn fused_and_separate_multiply_adds_agree() {
-    // The AVX + FMA build and the baseline build run the same arithmetic up to rounding (the
-    // FMA build may only run where the CPU has AVX and FMA).
+    // The AVX + FMA build and the baseline build run the same arithmetic up to rounding (a CPU
+    // without AVX and FMA has only the baseline build).
     if !avx_fma() {
         return;
     }
@@ -222,13 +222,13 @@ fn fused_and_separate_multiply_adds_agree() {
         g,
     );
     let (mut a, mut b) = (vec![0.0f32; g * 7], vec![0.0f32; g * 7]);
-    block_logits_avx_fma(args, &mut a);
+    run_block_logits(args, &mut a);
     block_logits::<false>(args, &mut b);
     assert_close(&a, &b, "fma vs mul+add logits");
     let w = normals(g * 7, 9);
     let args = (&y[..], d, &w[..], 7, 0, Some(&norms[..]), g);
     let (mut a, mut b) = (vec![0.0f32; g * d], vec![0.0f32; g * d]);
-    block_sums_avx_fma(args, &mut a);
+    run_block_sums(args, &mut a);
     block_sums::<false>(args, &mut b);
     assert_close(&a, &b, "fma vs mul+add sums");
 }
