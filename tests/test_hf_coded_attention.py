@@ -32,17 +32,21 @@ def model(model_dir):
     return load_model(model_dir)[0]
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["kernels", "kernel-sums", "torch"])
 def cpu_path(request, monkeypatch):
-    """Both ways attention over the codes computes: the codec's kernels (the CPU default) and
-    torch ops over decoded frame coordinates (what other devices run)."""
+    """Every way attention over the codes computes: the codec's kernels (the CPU default; the
+    whole attention in one call for few query rows, the logits and the value sums around a
+    torch softmax for more), the latter for every query length, and torch ops over decoded
+    frame coordinates (what other devices run)."""
     import kakeyaturbo.hf.coded_attention as coded_attention
     from kakeyaturbo.pipeline import Pipeline
 
-    kernels = request.param == "kernels"
-    monkeypatch.setattr(coded_attention, "CPU_KERNELS", kernels)
+    path = request.param
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", path != "torch")
+    if path == "kernel-sums":
+        monkeypatch.setattr(coded_attention, "WHOLE_ATTENTION_ROWS", 0)
     calls = []
-    for name in ("key_logits", "value_sums"):
+    for name in ("attend", "key_logits", "value_sums"):
         real = getattr(Pipeline, name)
 
         def counted(self, *args, _real=real, _name=name, **kwargs):
@@ -50,9 +54,12 @@ def cpu_path(request, monkeypatch):
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(Pipeline, name, counted)
-    yield request.param
-    # The path asked for is the one that ran.
-    assert (set(calls) == {"key_logits", "value_sums"}) if kernels else not calls
+    yield path
+    # The path asked for is the one that ran (the whole attention: at least in decode steps).
+    want = {"kernels": "attend", "kernel-sums": "key_logits", "torch": None}[path]
+    assert (want in calls) if want else not calls
+    if path == "kernel-sums":
+        assert set(calls) == {"key_logits", "value_sums"}
 
 
 @pytest.fixture

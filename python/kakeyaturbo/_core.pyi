@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``kakeyaturbo._core`` (checked by mypy.stubtest in CI)."""
 
-from typing import Any, Optional, Sequence, final
+from typing import Any, Optional, Sequence, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -8,13 +8,20 @@ import numpy.typing as npt
 __all__ = [
     "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
     "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
-    "coded_value_sums", "decode_batch",
+    "coded_value_sums", "coded_attend", "decode_batch",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
     "stage_errors", "wht_rotate",
 ]
 
 __version__: str
 FORMAT_VERSION: int
+
+# Token norms: float32 [streams, tokens], or per block uint8 codes [streams, tokens] and
+# float16 bounds [streams, 2] (two lists).
+_Norms: TypeAlias = (
+    npt.NDArray[np.float32]
+    | tuple[Sequence[npt.NDArray[np.uint8]], Sequence[npt.NDArray[np.float16]]]
+)
 
 class KakeyaTurboError(Exception): ...
 class FormatError(KakeyaTurboError): ...
@@ -151,13 +158,30 @@ def coded_key_logits(
     queries: npt.NDArray[np.float32],
     frames: Optional[npt.NDArray[np.float32]] = None,
     rotation: Optional[npt.NDArray[np.float32]] = None,
-    norms: Optional[npt.NDArray[np.float32]] = None,
+    norms: Optional[_Norms] = None,
 ) -> npt.NDArray[np.float32]: ...
 def coded_value_sums(
     encs: Sequence[EncodedLayer],
     streams: int,
     weights: npt.NDArray[np.float32],
-    norms: Optional[npt.NDArray[np.float32]] = None,
+    norms: Optional[_Norms] = None,
+) -> npt.NDArray[np.float32]: ...
+def coded_attend(
+    key_encs: Sequence[EncodedLayer],
+    value_encs: Sequence[EncodedLayer],
+    streams: int,
+    queries: npt.NDArray[np.float32],
+    exact_keys: npt.NDArray[np.float32],
+    exact_values: npt.NDArray[np.float32],
+    scaling: float,
+    *,
+    key_frames: Optional[npt.NDArray[np.float32]] = None,
+    rotation: Optional[npt.NDArray[np.float32]] = None,
+    key_norms: Optional[_Norms] = None,
+    value_frames: Optional[npt.NDArray[np.float32]] = None,
+    value_norms: Optional[_Norms] = None,
+    bias: Optional[npt.NDArray[np.float32]] = None,
+    softcap: Optional[float] = None,
 ) -> npt.NDArray[np.float32]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...
 def fit_codebook(samples: npt.NDArray[Any], bits: int, iters: int = 100) -> list[float]: ...

@@ -268,3 +268,48 @@ def coded_value_sums(
     decoded copy. ``weights`` ``[streams, g, tokens]``; ``norms`` ``[streams, tokens]`` (None:
     no scale). float32, C-contiguous."""
     return _core.coded_value_sums(_raws(encs), streams, weights, norms)
+
+
+def coded_attend(
+    key_encs: Sequence[EncodedLayer],
+    value_encs: Sequence[EncodedLayer],
+    streams: int,
+    queries: np.ndarray,
+    exact_keys: np.ndarray,
+    exact_values: np.ndarray,
+    scaling: float,
+    *,
+    key_frames: Optional[np.ndarray] = None,
+    rotation: Optional[np.ndarray] = None,
+    key_norms: Any = None,
+    value_frames: Optional[np.ndarray] = None,
+    value_norms: Any = None,
+    bias: Optional[np.ndarray] = None,
+    softcap: Optional[float] = None,
+) -> np.ndarray:
+    """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
+    head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
+    by the exact ``exact_keys`` / ``exact_values`` ``[streams, exact, head_dim]``:
+    ``softmax(softcap(scaling * logits) + bias) @ values``, the value sums turned out of the
+    frame by ``value_frames`` ``[heads, head_dim, head_dim]``. ``bias`` ``[bias rows, rows,
+    tokens + exact]`` (stream ``s`` reads row ``s // (streams // bias rows)``; ``-inf`` masks);
+    norms as float32 ``[streams, tokens]`` or ``(codes, bounds)``, lists of per-block uint8
+    ``[streams, block tokens]`` and float16 ``[streams, 2]`` arrays (``NormCodes.arrays``). A
+    row with every token masked gets zeros. For the few query rows of a decode step: the
+    exact part is plain dots. float32, C-contiguous."""
+    return _core.coded_attend(
+        _raws(key_encs),
+        _raws(value_encs),
+        streams,
+        queries,
+        exact_keys,
+        exact_values,
+        scaling,
+        key_frames=key_frames,
+        rotation=rotation,
+        key_norms=key_norms,
+        value_frames=value_frames,
+        value_norms=value_norms,
+        bias=bias,
+        softcap=softcap,
+    )

@@ -11,8 +11,9 @@ of a float16 norm.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ._runs import equal_runs
@@ -31,6 +32,7 @@ class NormCodes:
 
     codes: torch.Tensor
     bounds: torch.Tensor
+    _arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -39,6 +41,19 @@ class NormCodes:
 
     def select_rows(self, order: torch.Tensor) -> NormCodes:
         return NormCodes(self.codes[order], self.bounds[order])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The codes ``[streams, tokens]`` uint8 and bounds ``[streams, 2]`` float16 as numpy
+        views (streams = rows x heads), the form the codec's kernels decode themselves; made
+        once per block (views of the tensors: no bytes beyond :attr:`nbytes`)."""
+        if self._arrays is None:
+            codes = self.codes.contiguous()
+            bounds = self.bounds.contiguous()
+            self._arrays = (
+                codes.reshape(-1, codes.shape[-1]).numpy(),
+                bounds.reshape(-1, 2).numpy(),
+            )
+        return self._arrays
 
     def decode(self) -> torch.Tensor:
         """The norms ``[rows, heads, tokens]`` float32."""

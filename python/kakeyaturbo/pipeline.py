@@ -254,7 +254,7 @@ class Pipeline:
             _np(queries.reshape(streams, g, -1)),
             None if frames is None else _np(frames),
             None if rotation is None else _np(rotation),
-            self._norms_np(blocks, "k", streams),
+            self._norm_codes(blocks, "k"),
         )
         return torch.from_numpy(logits).view(rows, h, g, -1)
 
@@ -271,14 +271,61 @@ class Pipeline:
             encs,
             streams,
             _np(weights.reshape(streams, g, -1)),
-            self._norms_np(blocks, "v", streams),
+            self._norm_codes(blocks, "v"),
         )
         return torch.from_numpy(sums).view(rows, h, g, -1)
 
-    def _norms_np(self, blocks: list[CodedBlock], stream: str, streams: int):
+    def attend(
+        self,
+        kv_blocks: tuple[list[CodedBlock], list[CodedBlock]],
+        rows: int,
+        queries: torch.Tensor,
+        exact: tuple[torch.Tensor, torch.Tensor],
+        scaling: float,
+        *,
+        key_frames: Optional[torch.Tensor] = None,
+        rotation: Optional[torch.Tensor] = None,
+        value_frames: Optional[torch.Tensor] = None,
+        bias: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
+        """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
+        keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
+        ``[rows, H, E, D]``, computed by the codec (:meth:`key_logits`, a softmax, then
+        :meth:`value_sums` turned out of the frame by ``value_frames``, plus the exact part).
+        ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
+        (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
+        few query rows of a decode step. CPU float32."""
+        (kb, vb), (ek, ev) = kv_blocks, exact
+        kencs, streams = _stream_major(kb)
+        h, g, d = queries.shape[1], queries.shape[2], queries.shape[3]
+        if bias is not None:
+            bias = bias.reshape(-1, g, bias.shape[-1])
+        out = _codec.coded_attend(
+            kencs,
+            _stream_major(vb)[0],
+            streams,
+            _np(queries.reshape(streams, g, d)),
+            _np(ek.reshape(streams, -1, d)),
+            _np(ev.reshape(streams, -1, d)),
+            scaling,
+            key_frames=None if key_frames is None else _np(key_frames),
+            rotation=None if rotation is None else _np(rotation),
+            key_norms=self._norm_codes(kb, "k"),
+            value_frames=None if value_frames is None else _np(value_frames),
+            value_norms=self._norm_codes(vb, "v"),
+            bias=None if bias is None else _np(bias),
+            softcap=softcap,
+        )
+        return torch.from_numpy(out).view(rows, h, g, d)
+
+    def _norm_codes(self, blocks: list[CodedBlock], stream: str):
+        """The blocks' token norms as the codec's kernels take them (their codes, decoded in
+        the kernels), or None for a stream coded without them."""
         if not self.recipe.token_norms(stream):
             return None
-        return _np(decode_norms([blk.norms for blk in blocks]).reshape(streams, -1))  # type: ignore[misc]
+        arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
+        return [c for c, _ in arrays], [b for _, b in arrays]
 
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of

@@ -38,6 +38,12 @@ import torch
 #: default), or with torch ops over the decoded frame coordinates, as on other devices.
 CPU_KERNELS = True
 
+#: Up to this many query rows per KV head (query heads per KV head x query tokens), the CPU
+#: kernels compute the whole attention, softmax and exact part included, in one call
+#: (``Pipeline.attend``): a decode step's dozen small torch ops per layer cost more than
+#: either kernel. Longer queries (prefill) leave the softmax and the exact part to torch.
+WHOLE_ATTENTION_ROWS = 64
+
 
 @dataclass(eq=False)
 class CodedView:
@@ -84,6 +90,9 @@ class CodedView:
         q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
 
         kernels = CPU_KERNELS and dev.type == "cpu"
+        if kernels and g * tq <= WHOLE_ATTENTION_ROWS:
+            out = self._codec_attend(q, (key, value), attention_mask, scaling, softcap, tq)
+            return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
         kb = [blk.k for blk in self.blocks]
         coded = self._codec_logits(q, kb) if kernels else self._torch_logits(q, kb, dev)
         scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
@@ -110,6 +119,44 @@ class CodedView:
             out = out @ frame.to(dev)
         out += probs[..., clen:] @ value.float()
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+
+    def _codec_attend(
+        self,
+        q: torch.Tensor,
+        exact: tuple[torch.Tensor, torch.Tensor],
+        mask: Any,
+        scaling: float,
+        softcap: float | None,
+        tq: int,
+    ) -> torch.Tensor:
+        """The whole attention ``[B, H, g*Tq, D]`` by the codec (``Pipeline.attend``): the
+        CPU path for few query rows."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        (key, value), (b, h, rows, d) = exact, q.shape
+        frame = pipe.frame_inverse(li, "k")
+        rotation = None
+        if lay._rope is not None:
+            order = lay._rope.split_order(d)
+            if order is not None:  # the exact keys follow the query into the paired order
+                frame = torch.eye(d).expand(h, d, d) if frame is None else frame
+                frame, q, key = frame[..., order], q[..., order], key[..., order]
+            rotation = self._rotation("split")
+        # (Keys coded post-RoPE go through the frame per token here: the exact keys are
+        # scored by the same query, which the frame cannot be folded into for them.)
+        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), key.shape[-2], q.device)
+        return pipe.attend(
+            ([blk.k for blk in self.blocks], [blk.v for blk in self.blocks]),
+            b,
+            q,
+            (key.float(), value.float()),
+            scaling,
+            key_frames=frame,
+            rotation=rotation,
+            value_frames=pipe.frame_inverse(li, "v"),
+            bias=bias,
+            softcap=softcap,
+        )
 
     def _codec_logits(self, q: torch.Tensor, kb: list) -> torch.Tensor:
         """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by
@@ -184,6 +231,30 @@ class CodedView:
             ("bias", mask is None, b, tq, exact, self.coded_length),
             inputs,
             lambda: self._bias(mask, b, tq, exact, dev),
+        )
+
+    def _kernel_bias(self, mask: Any, dims: tuple, exact: int, dev) -> torch.Tensor | None:
+        """:meth:`_shared_bias` as ``Pipeline.attend`` takes it: ``[B or 1, H or 1, g*Tq,
+        coded + exact]``, each KV head's query rows in the query's order (``dims`` = ``(B, H,
+        g, Tq)``); None where it adds nothing (a decode step without sinks)."""
+        b, h, g, tq = dims
+
+        def make():
+            bias = self._shared_bias(mask, b, tq, exact, dev)
+            if not bias.any():
+                return None
+            mh, mg = _grouped_heads(bias.shape[1], h, g)
+            grouped = bias.view(bias.shape[0], mh, mg, tq, -1)
+            if mh > 1:  # per-head rows: one per stream, so every batch row its own
+                grouped = grouped.expand(b, -1, -1, -1, -1)
+            grouped = grouped.expand(-1, -1, g, -1, -1)
+            return grouped.reshape(grouped.shape[0], mh, g * tq, -1)
+
+        inputs = () if mask is None else (mask,)
+        if self.sinks is not None:
+            inputs += (self.sinks, self.layer._sink_idx)
+        return self._shared(
+            ("kernel bias", mask is None, dims, exact, self.coded_length), inputs, make
         )
 
     def _shared(self, key: tuple, tensors: tuple, make) -> Any:

@@ -1,7 +1,8 @@
-//! Attention over coded blocks (`kakeyaturbo.coded_key_logits`, `kakeyaturbo.coded_value_sums`):
-//! the bindings of `kakeyaturbo::coded_attention`, run with the GIL released.
+//! Attention over coded blocks (`coded_key_logits`, `coded_value_sums`, `coded_attend`): the
+//! bindings of `kakeyaturbo::coded_attention`, run with the GIL released.
 
-use kakeyaturbo::coded_attention::{self as core, CodedStreams, RopeAngles};
+use half::f16;
+use kakeyaturbo::coded_attention::{self as core, Attend, CodedStreams, Norms, RopeAngles};
 use kakeyaturbo::EncodedLayer;
 use numpy::ndarray::Dimension;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
@@ -30,6 +31,81 @@ fn f32_array<'py, D: Dimension>(
     Ok(a)
 }
 
+/// Token norms as passed in: float32 `[streams, tokens]`, or per block its uint8 codes
+/// `[streams, tokens]` and float16 bounds `[streams, 2]` (a pair of lists).
+enum NormsIn<'py> {
+    Values(PyReadonlyArray<'py, f32, numpy::Ix2>),
+    Codes(
+        Vec<(
+            PyReadonlyArray<'py, u8, numpy::Ix2>,
+            PyReadonlyArray<'py, f16, numpy::Ix2>,
+        )>,
+    ),
+}
+
+impl<'py> NormsIn<'py> {
+    fn extract(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Self> {
+        if let Ok((codes, bounds)) =
+            obj.extract::<(Vec<Bound<'py, PyAny>>, Vec<Bound<'py, PyAny>>)>()
+        {
+            if codes.len() != bounds.len() {
+                return Err(type_error(
+                    arg,
+                    format!(
+                        "{} code arrays for {} bound arrays",
+                        codes.len(),
+                        bounds.len()
+                    ),
+                ));
+            }
+            let want = "expected (codes, bounds): lists of C-contiguous 2-D uint8 codes and float16 bounds";
+            let pairs = codes
+                .iter()
+                .zip(&bounds)
+                .map(|(c, b)| {
+                    let c = c
+                        .extract::<PyReadonlyArray<'py, u8, numpy::Ix2>>()
+                        .map_err(|_| type_error(arg, want))?;
+                    let b = b
+                        .extract::<PyReadonlyArray<'py, f16, numpy::Ix2>>()
+                        .map_err(|_| type_error(arg, want))?;
+                    if !(c.is_c_contiguous() && b.is_c_contiguous()) {
+                        return Err(type_error(arg, want));
+                    }
+                    Ok((c, b))
+                })
+                .collect::<PyResult<_>>()?;
+            return Ok(NormsIn::Codes(pairs));
+        }
+        Ok(NormsIn::Values(f32_array::<numpy::Ix2>(obj, arg)?))
+    }
+
+    fn view(&self) -> PyResult<Norms<'_>> {
+        Ok(match self {
+            NormsIn::Values(v) => Norms::Values(v.as_slice()?),
+            NormsIn::Codes(pairs) => Norms::Codes(
+                pairs
+                    .iter()
+                    .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
+                    .collect::<PyResult<_>>()?,
+            ),
+        })
+    }
+}
+
+fn norms_arg<'py>(obj: Option<&Bound<'py, PyAny>>, arg: &str) -> PyResult<Option<NormsIn<'py>>> {
+    obj.map(|o| NormsIn::extract(o, arg)).transpose()
+}
+
+/// A 3-D array's values and its leading dim (frames and their heads, bias and its rows).
+fn with_lead<'a>(
+    a: &'a Option<PyReadonlyArray<'_, f32, numpy::Ix3>>,
+) -> PyResult<Option<(&'a [f32], usize)>> {
+    a.as_ref()
+        .map(|a| Ok((a.as_slice()?, a.shape()[0])))
+        .transpose()
+}
+
 fn layers<'a>(encs: &'a [Bound<'_, PyEncodedLayer>]) -> Vec<&'a EncodedLayer> {
     encs.iter().map(|e| &e.get().inner).collect()
 }
@@ -43,7 +119,7 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// `q . rope_t(y_t @ frames[s % heads]) * norms[s, t] / |y_t|`. `frames`: `[heads, head_dim,
 /// head_dim]` (None: identity); `rotation`: `[rows or 1, tokens, 2, pairs]`, the cosines then
 /// the sines turning channel pairs `(i, i + pairs)` (None: no RoPE); `norms`: `[streams,
-/// tokens]` (None: scale 1).
+/// tokens]` or norm codes (None: scale 1).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None))]
 pub fn coded_key_logits<'py>(
@@ -65,9 +141,7 @@ pub fn coded_key_logits<'py>(
     let rotation = rotation
         .map(|r| f32_array::<numpy::Ix4>(r, "rotation"))
         .transpose()?;
-    let norms = norms
-        .map(|n| f32_array::<numpy::Ix2>(n, "norms"))
-        .transpose()?;
+    let norms = norms_arg(norms, "norms")?;
     let heads = frames.as_ref().map(|f| f.shape()[0]);
     let rot = rotation.as_ref().map(|r| (r.shape()[0], r.shape()[3]));
     let (qs, fs) = (
@@ -75,7 +149,7 @@ pub fn coded_key_logits<'py>(
         frames.as_ref().map(|f| f.as_slice()).transpose()?,
     );
     let rs = rotation.as_ref().map(|r| r.as_slice()).transpose()?;
-    let ns = norms.as_ref().map(|n| n.as_slice()).transpose()?;
+    let ns = norms.as_ref().map(|n| n.view()).transpose()?;
     let t_n = coded.tokens();
     let out = py
         .detach(|| {
@@ -84,7 +158,7 @@ pub fn coded_key_logits<'py>(
                 rows,
                 pairs,
             });
-            core::key_logits(&coded, fs.zip(heads), rotation, ns, qs, g)
+            core::key_logits(&coded, fs.zip(heads), rotation.as_ref(), ns.as_ref(), qs, g)
         })
         .map_err(to_py)?;
     output(py, out, [streams, g, t_n])
@@ -92,7 +166,8 @@ pub fn coded_key_logits<'py>(
 
 /// Weighted sums `[streams, g, head_dim]` of the values coded in `encs` (laid out as for
 /// `coded_key_logits`), in frame coordinates: `sum_t weights[s, j, t] * norms[s, t] / |y_t| *
-/// y_t`. `weights`: `[streams, g, tokens]`; `norms`: `[streams, tokens]` (None: scale 1).
+/// y_t`. `weights`: `[streams, g, tokens]`; `norms`: `[streams, tokens]` or norm codes (None:
+/// scale 1).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, weights, norms=None))]
 pub fn coded_value_sums<'py>(
@@ -106,16 +181,93 @@ pub fn coded_value_sums<'py>(
     let coded = CodedStreams::new(&refs, streams).map_err(to_py)?;
     let w = f32_array::<numpy::Ix3>(weights, "weights")?;
     let g = w.shape()[1];
-    let norms = norms
-        .map(|n| f32_array::<numpy::Ix2>(n, "norms"))
-        .transpose()?;
-    let (ws, ns) = (
-        w.as_slice()?,
-        norms.as_ref().map(|n| n.as_slice()).transpose()?,
-    );
+    let norms = norms_arg(norms, "norms")?;
+    let (ws, ns) = (w.as_slice()?, norms.as_ref().map(|n| n.view()).transpose()?);
     let d = coded.head_dim();
     let out = py
-        .detach(|| core::value_sums(&coded, ws, ns, g))
+        .detach(|| core::value_sums(&coded, ws, ns.as_ref(), g))
         .map_err(to_py)?;
     output(py, out, [streams, g, d])
+}
+
+/// The attention output `[streams, rows, head_dim]` of `queries` `[streams, rows, head_dim]`
+/// over the coded keys and values (`key_encs`, `value_encs`, laid out as for
+/// `coded_key_logits`) and the exact `exact_keys` / `exact_values` `[streams, exact,
+/// head_dim]`: `softmax(scaling * logits (softcapped) + bias) @ values`, coded tokens first.
+/// `bias`: `[bias rows, rows, tokens + exact]`, stream `s` reading row `s / (streams / bias
+/// rows)`; norms: float32 `[streams, tokens]` or `(codes, bounds)` lists per block; frames and
+/// rotation as for `coded_key_logits`, `value_frames` turning the sums out of the frame.
+#[pyfunction]
+#[pyo3(signature = (key_encs, value_encs, streams, queries, exact_keys, exact_values, scaling, *,
+    key_frames=None, rotation=None, key_norms=None, value_frames=None, value_norms=None,
+    bias=None, softcap=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn coded_attend<'py>(
+    py: Python<'py>,
+    key_encs: Vec<Bound<'py, PyEncodedLayer>>,
+    value_encs: Vec<Bound<'py, PyEncodedLayer>>,
+    streams: usize,
+    queries: &Bound<'py, PyAny>,
+    exact_keys: &Bound<'py, PyAny>,
+    exact_values: &Bound<'py, PyAny>,
+    scaling: f32,
+    key_frames: Option<&Bound<'py, PyAny>>,
+    rotation: Option<&Bound<'py, PyAny>>,
+    key_norms: Option<&Bound<'py, PyAny>>,
+    value_frames: Option<&Bound<'py, PyAny>>,
+    value_norms: Option<&Bound<'py, PyAny>>,
+    bias: Option<&Bound<'py, PyAny>>,
+    softcap: Option<f32>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
+    let keys = CodedStreams::new(&krefs, streams).map_err(to_py)?;
+    let values = CodedStreams::new(&vrefs, streams).map_err(to_py)?;
+    let q = f32_array::<numpy::Ix3>(queries, "queries")?;
+    let (ek, ev) = (
+        f32_array::<numpy::Ix3>(exact_keys, "exact_keys")?,
+        f32_array::<numpy::Ix3>(exact_values, "exact_values")?,
+    );
+    let opt3 =
+        |o: Option<&Bound<'py, PyAny>>, arg| o.map(|f| f32_array::<numpy::Ix3>(f, arg)).transpose();
+    let (kf, vf, bias) = (
+        opt3(key_frames, "key_frames")?,
+        opt3(value_frames, "value_frames")?,
+        opt3(bias, "bias")?,
+    );
+    let rotation = rotation
+        .map(|r| f32_array::<numpy::Ix4>(r, "rotation"))
+        .transpose()?;
+    let (kn, vn) = (
+        norms_arg(key_norms, "key_norms")?,
+        norms_arg(value_norms, "value_norms")?,
+    );
+    let rows = q.shape()[1];
+    let a = Attend {
+        queries: q.as_slice()?,
+        rows,
+        key_frames: with_lead(&kf)?,
+        rotation: rotation
+            .as_ref()
+            .map(|r| {
+                Ok::<_, PyErr>(RopeAngles {
+                    values: r.as_slice()?,
+                    rows: r.shape()[0],
+                    pairs: r.shape()[3],
+                })
+            })
+            .transpose()?,
+        key_norms: kn.as_ref().map(|n| n.view()).transpose()?,
+        value_frames: with_lead(&vf)?,
+        value_norms: vn.as_ref().map(|n| n.view()).transpose()?,
+        exact_keys: ek.as_slice()?,
+        exact_values: ev.as_slice()?,
+        bias: with_lead(&bias)?,
+        scaling,
+        softcap,
+    };
+    let d = keys.head_dim();
+    let out = py
+        .detach(|| core::attend(&keys, &values, &a))
+        .map_err(to_py)?;
+    output(py, out, [streams, rows, d])
 }

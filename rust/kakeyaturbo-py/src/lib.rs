@@ -26,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::stage_errors, m)?)?;
     m.add_function(wrap_pyfunction!(attention::coded_key_logits, m)?)?;
     m.add_function(wrap_pyfunction!(attention::coded_value_sums, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::coded_attend, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -51,6 +52,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "KakeyaTurboError",
             "UnsupportedVersionError",
             "codec_params_defaults",
+            "coded_attend",
             "coded_key_logits",
             "coded_value_sums",
             "decode_batch",

@@ -24,7 +24,9 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
 };
 use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
-use kakeyaturbo::coded_attention::{key_logits, value_sums, CodedStreams, RopeAngles};
+use kakeyaturbo::coded_attention::{
+    attend, key_logits, value_sums, Attend, CodedStreams, Norms, RopeAngles,
+};
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
 use kakeyaturbo::{
@@ -319,7 +321,8 @@ fn bench_recipe(c: &mut Criterion) {
 /// 4,096 tokens in 256-token blocks, 3 query rows per stream (GQA), one thread. `decode` is
 /// the floor (every block decoded into a reused buffer); `key_logits` adds the frame product,
 /// RoPE and the dots, `key_logits_no_frame` only RoPE and the dots, `value_sums` the norm scale
-/// and the weighted sums. Every id reports the f32 bytes decoded, so each reads as a ratio to
+/// and the weighted sums, `attend` both kernels with the softmax and an exact part between
+/// them (the decoded bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes decoded, so each reads as a ratio to
 /// `decode` in the same run.
 fn bench_coded_attention(c: &mut Criterion) {
     const STREAMS: usize = 3;
@@ -359,23 +362,40 @@ fn bench_coded_attention(c: &mut Criterion) {
                 })
             })
         });
-        let rotation = || {
-            Some(RopeAngles {
-                values: &rot,
-                rows: 1,
-                pairs: d / 2,
-            })
+        let rotation = RopeAngles {
+            values: &rot,
+            rows: 1,
+            pairs: d / 2,
         };
+        let frame = Some((&frames[..], STREAMS));
         g.bench_function(id("key_logits_1t"), |b| {
-            one.install(|| {
-                b.iter(|| key_logits(&coded, Some((&frames, STREAMS)), rotation(), None, &q, ROWS))
-            })
+            one.install(|| b.iter(|| key_logits(&coded, frame, Some(&rotation), None, &q, ROWS)))
         });
         g.bench_function(id("key_logits_no_frame_1t"), |b| {
-            one.install(|| b.iter(|| key_logits(&coded, None, rotation(), None, &q, ROWS)))
+            one.install(|| b.iter(|| key_logits(&coded, None, Some(&rotation), None, &q, ROWS)))
         });
         g.bench_function(id("value_sums_1t"), |b| {
-            one.install(|| b.iter(|| value_sums(&coded, &w, Some(&norms), ROWS)))
+            one.install(|| b.iter(|| value_sums(&coded, &w, Some(&Norms::Values(&norms)), ROWS)))
+        });
+        // The whole attention of a decode step: both kernels (the same codes as keys and as
+        // values), the softmax, the value frame and 64 exact tokens.
+        let exact = common::kv_like(STREAMS * 64, d, SEED ^ 0xE);
+        let whole = || Attend {
+            queries: &q,
+            rows: ROWS,
+            key_frames: frame,
+            rotation: Some(RopeAngles { ..rotation }),
+            key_norms: None,
+            value_frames: frame,
+            value_norms: Some(Norms::Values(&norms)),
+            exact_keys: &exact,
+            exact_values: &exact,
+            bias: None,
+            scaling: 0.125,
+            softcap: None,
+        };
+        g.bench_function(id("attend_1t"), |b| {
+            one.install(|| b.iter(|| attend(&coded, &coded, &whole())))
         });
     }
     g.finish();

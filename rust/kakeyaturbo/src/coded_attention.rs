@@ -27,6 +27,12 @@ use rayon::prelude::*;
 use crate::codec::{decode_layer_into, EncodedLayer};
 use crate::error::{Error, Result};
 
+mod attend;
+mod norms;
+
+pub use attend::{attend, Attend};
+pub use norms::Norms;
+
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
 const MIN_NORM: f32 = 1e-12;
 
@@ -102,9 +108,12 @@ impl<'a> CodedStreams<'a> {
         self.offsets.len() - 1
     }
 
-    /// Runs `f(stream, decoded block, its first token)` on every block in parallel, each
-    /// block decoded into a per-thread scratch buffer; results in (stream, block) order.
-    fn map_blocks<R: Send>(&self, f: impl Fn(usize, &[f32], usize) -> R + Sync) -> Result<Vec<R>> {
+    /// Runs `f(stream, block, decoded block, its first token)` on every block in parallel,
+    /// each block decoded into a per-thread scratch buffer; results in (stream, block) order.
+    fn map_blocks<R: Send>(
+        &self,
+        f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
+    ) -> Result<Vec<R>> {
         let (nb, d) = (self.blocks(), self.d);
         (0..self.encs.len())
             .into_par_iter()
@@ -113,7 +122,7 @@ impl<'a> CodedStreams<'a> {
                 let n = self.offsets[b + 1] - self.offsets[b];
                 scratch.resize(n * d, 0.0);
                 decode_layer_into(self.encs[i], None, scratch)?;
-                Ok(f(s, scratch, self.offsets[b]))
+                f(s, b, scratch, self.offsets[b])
             })
             .collect()
     }
@@ -143,12 +152,12 @@ pub struct RopeAngles<'a> {
 /// Logits `[streams, g, tokens]` of the queries `[streams, g, d]` against the coded keys:
 /// `q[s, j] . rope_t(y_t M_h) * scale_t` with `M_h` the `h`-th of `frames` (`[heads, d, d]`,
 /// `None`: the identity), RoPE turning channels `(i, i + pairs)` for `i < pairs` as complex
-/// numbers, and `scale_t = norms[s, t] / |y_t|` when `norms` (`[streams, tokens]`) is given.
+/// numbers, and `scale_t = norm_t / |y_t|` when `norms` is given.
 pub fn key_logits(
     coded: &CodedStreams<'_>,
     frames: Option<(&[f32], usize)>,
-    rotation: Option<RopeAngles<'_>>,
-    norms: Option<&[f32]>,
+    rotation: Option<&RopeAngles<'_>>,
+    norms: Option<&Norms<'_>>,
     queries: &[f32],
     g: usize,
 ) -> Result<Vec<f32>> {
@@ -172,7 +181,7 @@ pub fn key_logits(
             "heads x head_dim x head_dim",
         )?;
     }
-    if let Some(r) = &rotation {
+    if let Some(r) = rotation {
         if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
             return Err(Error::Shape(format!(
                 "rotation: {} rows of {} pairs for {s_n} streams of head dim {d}",
@@ -187,21 +196,21 @@ pub fn key_logits(
         )?;
     }
     if let Some(nm) = norms {
-        check_len("norms", nm.len(), &[s_n, t_n], "streams x tokens")?;
+        nm.check(coded)?;
     }
-    let parts = coded.map_blocks(|s, y, t0| {
+    let parts = coded.map_blocks(|s, b, y, t0| {
         let n = y.len() / d;
         let m = frames.map(|(m, heads)| &m[(s % heads) * d * d..][..d * d]);
-        let rot = rotation.as_ref().map(|r| {
+        let rot = rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
             let w = 2 * r.pairs;
             (&r.values[(row * t_n + t0) * w..][..n * w], r.pairs)
         });
-        let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
+        let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
-        run_block_logits((y, d, m, rot, nm, q, g), &mut out);
-        out
+        run_block_logits((y, d, m, rot, nm.as_deref(), q, g), &mut out);
+        Ok(out)
     })?;
     let nb = coded.blocks();
     let mut logits = vec![0.0f32; s_n * g * t_n];
@@ -216,12 +225,12 @@ pub fn key_logits(
 }
 
 /// Weighted sums `[streams, g, d]` of the coded values, in frame coordinates:
-/// `sum_t weights[s, j, t] * scale_t * y_t` with `scale_t = norms[s, t] / |y_t|` when `norms`
-/// (`[streams, tokens]`) is given. `weights` is `[streams, g, tokens]`.
+/// `sum_t weights[s, j, t] * scale_t * y_t` with `scale_t = norm_t / |y_t|` when `norms` is
+/// given. `weights` is `[streams, g, tokens]`.
 pub fn value_sums(
     coded: &CodedStreams<'_>,
     weights: &[f32],
-    norms: Option<&[f32]>,
+    norms: Option<&Norms<'_>>,
     g: usize,
 ) -> Result<Vec<f32>> {
     let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
@@ -232,15 +241,14 @@ pub fn value_sums(
         "streams x rows x tokens",
     )?;
     if let Some(nm) = norms {
-        check_len("norms", nm.len(), &[s_n, t_n], "streams x tokens")?;
+        nm.check(coded)?;
     }
-    let parts = coded.map_blocks(|s, y, t0| {
-        let n = y.len() / d;
+    let parts = coded.map_blocks(|s, b, y, t0| {
         let w = &weights[s * g * t_n..][..g * t_n];
-        let nm = norms.map(|nm| &nm[s * t_n + t0..][..n]);
+        let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let mut out = vec![0.0f32; g * d];
-        run_block_sums((y, d, w, t_n, t0, nm, g), &mut out);
-        out
+        run_block_sums((y, d, w, t_n, t0, nm.as_deref(), g), &mut out);
+        Ok(out)
     })?;
     // Blocks add up in token order, so the result does not depend on the thread count.
     let nb = coded.blocks();

@@ -3,6 +3,7 @@ use crate::codec::{decode_layer, encode_layer};
 use crate::params::{CodecParams, InputDtype, PcaMethod};
 use crate::rng::SplitMix64;
 use crate::test_data::{kv_like, waterfill};
+use half::f16;
 
 /// `streams` streams of blocks `lens` long (`d` wide), coded frame-free as the pipeline codes
 /// them, with the decoded streams `[streams, tokens, d]`.
@@ -124,8 +125,8 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
         let got = key_logits(
             &c,
             Some((&frames, heads)),
-            Some(rotation),
-            Some(&norms),
+            Some(&rotation),
+            Some(&Norms::Values(&norms)),
             &q,
             g,
         )
@@ -172,7 +173,7 @@ fn value_sums_match_the_decoded_values() {
             .map(|v| v.abs() + 0.1)
             .collect();
         for with_norms in [false, true] {
-            let got = value_sums(&c, &w, with_norms.then_some(&norms[..]), g).unwrap();
+            let got = value_sums(&c, &w, with_norms.then_some(&Norms::Values(&norms)), g).unwrap();
             let mut want = vec![0.0f64; streams * g * d];
             for s in 0..streams {
                 for t in 0..t_n {
@@ -255,15 +256,381 @@ fn mismatched_layouts_and_lengths_are_refused() {
         rows: 1,
         pairs: 33,
     };
-    assert!(key_logits(&c, None, Some(too_many), None, &q, 1).is_err());
+    assert!(key_logits(&c, None, Some(&too_many), None, &q, 1).is_err());
     let short = RopeAngles {
         values: &rot[2..],
         rows: 1,
         pairs: 33,
     };
-    assert!(key_logits(&c, None, Some(short), None, &q, 1).is_err());
-    assert!(key_logits(&c, None, None, Some(&[1.0; 3]), &q, 1).is_err());
+    assert!(key_logits(&c, None, Some(&short), None, &q, 1).is_err());
+    assert!(key_logits(&c, None, None, Some(&Norms::Values(&[1.0; 3])), &q, 1).is_err());
     assert!(value_sums(&c, &[0.0; 47], None, 1).is_err());
-    assert!(value_sums(&c, &[0.0; 48], Some(&[1.0; 47]), 1).is_err());
+    assert!(value_sums(&c, &[0.0; 48], Some(&Norms::Values(&[1.0; 47])), 1).is_err());
     assert!(value_sums(&c, &[0.0; 48], None, 1).is_ok());
+}
+
+/// `codes` and float16 `bounds` of `norms` per block, as `norm_codes.py` codes them.
+fn norm_codes(norms: &[f32], streams: usize, lens: &[usize]) -> Vec<(Vec<u8>, Vec<f16>)> {
+    let t_n: usize = lens.iter().sum();
+    let mut t0 = 0;
+    let mut out = Vec::new();
+    for &n in lens {
+        let (mut codes, mut bounds) = (Vec::new(), Vec::new());
+        for s in 0..streams {
+            let x = &norms[s * t_n + t0..][..n];
+            let lo = f16::from_f32(
+                x.iter()
+                    .cloned()
+                    .filter(|&v| v > 0.0)
+                    .fold(f32::MAX, f32::min),
+            );
+            let hi = f16::from_f32(x.iter().cloned().fold(0.0, f32::max));
+            let (llo, lhi) = (lo.to_f32().log2(), hi.to_f32().log2());
+            let step = (lhi - llo) / 254.0;
+            codes.extend(x.iter().map(|&v| {
+                if v == 0.0 {
+                    0
+                } else {
+                    ((v.log2() - llo) / step).round().clamp(0.0, 254.0) as u8 + 1
+                }
+            }));
+            bounds.extend([lo, hi]);
+        }
+        out.push((codes, bounds));
+        t0 += n;
+    }
+    out
+}
+
+/// What the norm codes decode to, the formula written out.
+fn decoded_norms(codes: &[(Vec<u8>, Vec<f16>)], streams: usize, lens: &[usize]) -> Vec<f32> {
+    let t_n: usize = lens.iter().sum();
+    let mut out = vec![0.0f32; streams * t_n];
+    let mut t0 = 0;
+    for ((c, bnd), &n) in codes.iter().zip(lens) {
+        for s in 0..streams {
+            let (lo, hi) = (bnd[2 * s].to_f32().log2(), bnd[2 * s + 1].to_f32().log2());
+            for t in 0..n {
+                let code = c[s * n + t];
+                out[s * t_n + t0 + t] = if code == 0 {
+                    0.0
+                } else {
+                    ((code as f32 - 1.0) * ((hi - lo) / 254.0) + lo).exp2()
+                };
+            }
+        }
+        t0 += n;
+    }
+    out
+}
+
+#[test]
+fn norm_codes_decode_as_the_python_decoder_and_refuse_bad_bounds() {
+    let (streams, lens) = (2, [16usize, 8]);
+    let (encs, _) = coded(streams, &lens, 64);
+    let refs: Vec<&EncodedLayer> = encs.iter().collect();
+    let c = CodedStreams::new(&refs, streams).unwrap();
+    let mut norms: Vec<f32> = normals(streams * 24, 9)
+        .iter()
+        .map(|v| v.abs() * 3.0 + 0.01)
+        .collect();
+    norms[5] = 0.0; // an exact zero stays zero
+    let codes = norm_codes(&norms, streams, &lens);
+    let want = decoded_norms(&codes, streams, &lens);
+    assert_eq!(want[5], 0.0);
+    let view = Norms::Codes(codes.iter().map(|(c, b)| (&c[..], &b[..])).collect());
+    view.check(&c).unwrap();
+    for s in 0..streams {
+        for (b, t0) in [(0usize, 0usize), (1, 16)] {
+            let got = view.block(&c, s, b).unwrap();
+            assert_eq!(&got[..], &want[s * 24 + t0..][..lens[b]]);
+            // Within half a log step of the coded norm.
+            for (g, n) in got.iter().zip(&norms[s * 24 + t0..]) {
+                assert!((g - n).abs() <= 0.03 * n, "{g} vs {n}");
+            }
+        }
+    }
+    for bad in [f16::NAN, f16::INFINITY, f16::ZERO, f16::from_f32(-1.0)] {
+        let mut hostile = codes.clone();
+        hostile[1].1[2] = bad;
+        let view = Norms::Codes(hostile.iter().map(|(c, b)| (&c[..], &b[..])).collect());
+        let e = view.check(&c).err().unwrap();
+        assert!(e.to_string().contains("not a positive finite"), "{e}");
+    }
+    let short = Norms::Codes(vec![(&codes[0].0[..], &codes[0].1[..])]);
+    assert!(short.check(&c).is_err());
+    let cut = Norms::Codes(vec![
+        (&codes[0].0[1..], &codes[0].1[..]),
+        (&codes[1].0[..], &codes[1].1[..]),
+    ]);
+    assert!(cut.check(&c).is_err());
+}
+
+/// The attention written out the slow way in f64 over decoded keys and values.
+#[allow(clippy::too_many_arguments)]
+fn reference_attend(
+    logits: &[f32],
+    yv: &[f32],
+    vnorms: &[f32],
+    vframes: &[f32],
+    heads: usize,
+    a: &Attend<'_>,
+    streams: usize,
+    t_n: usize,
+    d: usize,
+) -> Vec<f32> {
+    let (r, e_n) = (a.rows, a.exact_keys.len() / (streams * d));
+    let l_n = t_n + e_n;
+    let mut out = vec![0.0f32; streams * r * d];
+    for s in 0..streams {
+        let m = &vframes[(s % heads) * d * d..][..d * d];
+        for j in 0..r {
+            let q = &a.queries[(s * r + j) * d..][..d];
+            let mut x: Vec<f64> = (0..l_n)
+                .map(|t| {
+                    if t < t_n {
+                        logits[(s * r + j) * t_n + t] as f64
+                    } else {
+                        let k = &a.exact_keys[(s * e_n + t - t_n) * d..][..d];
+                        q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum()
+                    }
+                })
+                .collect();
+            for (t, v) in x.iter_mut().enumerate() {
+                *v *= a.scaling as f64;
+                if let Some(c) = a.softcap {
+                    *v = (*v / c as f64).tanh() * c as f64;
+                }
+                if let Some((b, sb)) = a.bias {
+                    *v += b[((s / (streams / sb)) * r + j) * l_n + t] as f64;
+                }
+            }
+            let max = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = if max == f64::NEG_INFINITY {
+                vec![0.0; l_n]
+            } else {
+                let e: Vec<f64> = x.iter().map(|v| (v - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                e.iter().map(|v| v / sum).collect()
+            };
+            let mut acc = vec![0.0f64; d];
+            for t in 0..t_n {
+                let y = &yv[(s * t_n + t) * d..][..d];
+                let len = y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+                let w = p[t] * vnorms[s * t_n + t] as f64 / len.max(1e-12);
+                for c in 0..d {
+                    let v: f64 = (0..d).map(|i| y[i] as f64 * m[i * d + c] as f64).sum();
+                    acc[c] += w * v;
+                }
+            }
+            for e in 0..e_n {
+                let v = &a.exact_values[(s * e_n + e) * d..][..d];
+                acc.iter_mut()
+                    .zip(v)
+                    .for_each(|(o, v)| *o += p[t_n + e] * *v as f64);
+            }
+            for c in 0..d {
+                out[(s * r + j) * d + c] = acc[c] as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attend_matches_the_softmax_over_decoded_keys_and_values() {
+    let (streams, heads, r, e_n, d, pairs, lens) = (6, 3, 4, 5, 64, 32, [32usize, 17]);
+    let (kenc, yk) = coded(streams, &lens, d);
+    let (venc, yv) = coded(streams, &lens, d);
+    let (krefs, vrefs): (Vec<&EncodedLayer>, Vec<&EncodedLayer>) =
+        (kenc.iter().collect(), venc.iter().collect());
+    let (kc, vc) = (
+        CodedStreams::new(&krefs, streams).unwrap(),
+        CodedStreams::new(&vrefs, streams).unwrap(),
+    );
+    let t_n = kc.tokens();
+    let kframes = normals(heads * d * d, 11)
+        .iter()
+        .map(|v| v * 0.2)
+        .collect::<Vec<_>>();
+    let vframes = normals(heads * d * d, 12)
+        .iter()
+        .map(|v| v * 0.2)
+        .collect::<Vec<_>>();
+    let rot: Vec<f32> = (0..t_n)
+        .flat_map(|t| {
+            let angle = move |i: usize| t as f32 * 10f32.powf(-(i as f32) / pairs as f32);
+            (0..pairs)
+                .map(move |i| angle(i).cos())
+                .chain((0..pairs).map(move |i| angle(i).sin()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let knorms: Vec<f32> = normals(streams * t_n, 13)
+        .iter()
+        .map(|v| v.abs() + 0.5)
+        .collect();
+    let vnorms: Vec<f32> = normals(streams * t_n, 14)
+        .iter()
+        .map(|v| v.abs() + 0.1)
+        .collect();
+    let vcodes = norm_codes(&vnorms, streams, &lens);
+    let vdecoded = decoded_norms(&vcodes, streams, &lens);
+    let q = normals(streams * r * d, 15);
+    let ek = normals(streams * e_n * d, 16);
+    let ev = normals(streams * e_n * d, 17);
+    // Batch-row bias (2 rows of 3 streams): some coded tokens masked, one row masked whole.
+    let l_n = t_n + e_n;
+    let mut bias = vec![0.0f32; 2 * r * l_n];
+    for (i, b) in bias.iter_mut().enumerate() {
+        if i % 7 == 3 {
+            *b = f32::NEG_INFINITY;
+        } else if i % 5 == 1 {
+            *b = -0.75;
+        }
+    }
+    bias[(r + 2) * l_n..][..l_n].fill(f32::NEG_INFINITY);
+    for softcap in [None, Some(7.5f32)] {
+        let a = Attend {
+            queries: &q,
+            rows: r,
+            key_frames: Some((&kframes, heads)),
+            rotation: Some(RopeAngles {
+                values: &rot,
+                rows: 1,
+                pairs,
+            }),
+            key_norms: Some(Norms::Values(&knorms)),
+            value_frames: Some((&vframes, heads)),
+            value_norms: Some(Norms::Codes(
+                vcodes.iter().map(|(c, b)| (&c[..], &b[..])).collect(),
+            )),
+            exact_keys: &ek,
+            exact_values: &ev,
+            bias: Some((&bias, 2)),
+            scaling: 0.125,
+            softcap,
+        };
+        let got = attend(&kc, &vc, &a).unwrap();
+        let logits = reference_logits(
+            &yk, streams, t_n, d, &kframes, heads, &rot, 1, pairs, &knorms, &q, r,
+        );
+        let want = reference_attend(
+            &logits, &yv, &vdecoded, &vframes, heads, &a, streams, t_n, d,
+        );
+        assert_close(&got, &want, &format!("attend softcap={softcap:?}"));
+        // The fully masked row (batch row 1, query row 2) is zeros for each of its streams.
+        for s in 3..6 {
+            assert!(got[(s * r + 2) * d..][..d].iter().all(|&v| v == 0.0));
+        }
+    }
+}
+
+#[test]
+fn attend_refuses_mismatched_inputs() {
+    let (kenc, _) = coded(2, &[16, 8], 64);
+    let (venc, _) = coded(2, &[16, 8], 64);
+    let (other, _) = coded(2, &[16, 9], 64);
+    let kr: Vec<&EncodedLayer> = kenc.iter().collect();
+    let vr: Vec<&EncodedLayer> = venc.iter().collect();
+    let or: Vec<&EncodedLayer> = other.iter().collect();
+    let (kc, vc) = (
+        CodedStreams::new(&kr, 2).unwrap(),
+        CodedStreams::new(&vr, 2).unwrap(),
+    );
+    let q = vec![0.5f32; 2 * 64];
+    let ex = vec![0.0f32; 2 * 3 * 64];
+    let base = || Attend {
+        queries: &q,
+        rows: 1,
+        key_frames: None,
+        rotation: None,
+        key_norms: None,
+        value_frames: None,
+        value_norms: None,
+        exact_keys: &ex,
+        exact_values: &ex,
+        bias: None,
+        scaling: 1.0,
+        softcap: None,
+    };
+    let out = attend(&kc, &vc, &base()).unwrap();
+    assert_eq!(out.len(), 2 * 64);
+    let oc = CodedStreams::new(&or, 2).unwrap();
+    assert!(attend(&kc, &oc, &base())
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("values"));
+    let a = Attend {
+        exact_values: &ex[64..],
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("exact_values"));
+    let a = Attend {
+        exact_keys: &ex[1..],
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("exact_keys"));
+    let bias = vec![0.0f32; 26];
+    let a = Attend {
+        bias: Some((&bias, 1)),
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("bias"));
+    let bias = vec![0.0f32; 3 * 27];
+    let a = Attend {
+        bias: Some((&bias, 3)),
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("bias"));
+    let frames = vec![0.0f32; 64 * 64 - 1];
+    let a = Attend {
+        value_frames: Some((&frames, 1)),
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("value_frames"));
+    let a = Attend {
+        queries: &q[1..],
+        ..base()
+    };
+    assert!(attend(&kc, &vc, &a)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("queries"));
+}
+
+#[test]
+fn the_softmax_exponential_is_within_float_rounding() {
+    let mut worst = 0.0f64;
+    for i in 0..=200_000 {
+        let x = -87.0 * i as f32 / 200_000.0;
+        let (got, want) = (attend::exp_le0(x) as f64, (x as f64).exp());
+        worst = worst.max((got - want).abs() / want);
+    }
+    assert!(worst < 4e-7, "worst relative error {worst}");
+    assert_eq!(attend::exp_le0(0.0), 1.0);
+    assert_eq!(attend::exp_le0(f32::NEG_INFINITY), 0.0);
+    assert_eq!(attend::exp_le0(-100.0), 0.0);
 }

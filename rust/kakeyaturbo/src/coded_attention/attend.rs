@@ -1,0 +1,297 @@
+//! One whole attention over coded blocks and an exact part, for few query rows (decoding).
+//!
+//! [`super::key_logits`] and [`super::value_sums`] leave the softmax between them to the
+//! caller; in torch that is a dozen small ops per layer and step (concatenation, scaling,
+//! bias, softmax, slices, the value frame, the exact part), which cost a decode step more
+//! than either kernel. [`attend`] does all of it: the coded logits, the exact part's logits,
+//! `scaling`, the optional softcap, the additive bias, a softmax per query row over coded and
+//! exact tokens, the coded value sums, the value frame and the exact values. The exact part's
+//! products are plain dots, written for the few query rows of a decode step; prefill-sized
+//! queries belong to a matrix library.
+
+use rayon::prelude::*;
+
+use super::{
+    check_len, dot, key_logits, madd, times_frame, value_sums, CodedStreams, Norms, RopeAngles,
+};
+use crate::error::{Error, Result};
+
+/// The inputs of [`attend`] besides the coded streams. `S` streams, `R` query rows per stream,
+/// `T` coded and `E` exact tokens per stream, head dim `D`.
+pub struct Attend<'a> {
+    /// `[S, R, D]`.
+    pub queries: &'a [f32],
+    pub rows: usize,
+    /// Key frames `[heads, D, D]` and `heads` (None: identity), as for [`key_logits`].
+    pub key_frames: Option<(&'a [f32], usize)>,
+    pub rotation: Option<RopeAngles<'a>>,
+    pub key_norms: Option<Norms<'a>>,
+    /// Value frames `[heads, D, D]` (None: identity): `v = y M`.
+    pub value_frames: Option<(&'a [f32], usize)>,
+    pub value_norms: Option<Norms<'a>>,
+    /// `[S, E, D]` each: keys and values held exact, in the coordinates of the output.
+    pub exact_keys: &'a [f32],
+    pub exact_values: &'a [f32],
+    /// Additive bias `[Sb, R, T + E]` and `Sb` (dividing `S`: stream `s` reads bias row
+    /// `s / (S / Sb)`); None: none. `-inf` masks a token.
+    pub bias: Option<(&'a [f32], usize)>,
+    pub scaling: f32,
+    /// `tanh(x / c) c` on the scaled logits, before the bias.
+    pub softcap: Option<f32>,
+}
+
+/// The attention output `[S, R, D]`: `softmax(scaling * [coded logits | q . k_exact] + bias)`
+/// times `[coded values | exact values]`. A row whose every token is masked gets zeros.
+pub fn attend(
+    keys: &CodedStreams<'_>,
+    values: &CodedStreams<'_>,
+    a: &Attend<'_>,
+) -> Result<Vec<f32>> {
+    let (s_n, t_n, d, r) = (keys.streams(), keys.tokens(), keys.head_dim(), a.rows);
+    if (values.streams(), values.tokens(), values.head_dim()) != (s_n, t_n, d) {
+        return Err(Error::Shape(format!(
+            "values: {} streams of {} tokens x {}, keys: {s_n} of {t_n} x {d}",
+            values.streams(),
+            values.tokens(),
+            values.head_dim()
+        )));
+    }
+    if t_n == 0 || d == 0 {
+        return Err(Error::Shape(format!("coded streams of {t_n} tokens x {d}")));
+    }
+    let e_n = a.exact_keys.len() / (s_n * d);
+    check_len(
+        "exact_keys",
+        a.exact_keys.len(),
+        &[s_n, e_n, d],
+        "streams x exact x head_dim",
+    )?;
+    check_len(
+        "exact_values",
+        a.exact_values.len(),
+        &[s_n, e_n, d],
+        "streams x exact x head_dim",
+    )?;
+    if let Some((m, heads)) = a.value_frames {
+        if heads == 0 || s_n % heads != 0 {
+            return Err(Error::Shape(format!(
+                "{s_n} streams do not group over {heads} heads"
+            )));
+        }
+        check_len(
+            "value_frames",
+            m.len(),
+            &[heads, d, d],
+            "heads x head_dim x head_dim",
+        )?;
+    }
+    let l_n = t_n + e_n;
+    if let Some((bias, sb)) = a.bias {
+        if sb == 0 || s_n % sb != 0 {
+            return Err(Error::Shape(format!(
+                "bias: {sb} rows do not group {s_n} streams"
+            )));
+        }
+        check_len(
+            "bias",
+            bias.len(),
+            &[sb, r, l_n],
+            "bias rows x query rows x tokens",
+        )?;
+    }
+    // (key_logits checks the queries, the key frames, the rotation and the key norms.)
+    let mut weights = key_logits(
+        keys,
+        a.key_frames,
+        a.rotation.as_ref(),
+        a.key_norms.as_ref(),
+        a.queries,
+        r,
+    )?;
+    if r == 0 {
+        return Ok(Vec::new());
+    }
+    // Per stream: the coded logits become their weights in place, the exact weights return.
+    let exact_p: Vec<Vec<f32>> = weights
+        .par_chunks_mut(r * t_n)
+        .enumerate()
+        .map(|(s, coded)| {
+            let mut exact = vec![0.0f32; r * e_n];
+            let args = Scores {
+                coded,
+                exact: &mut exact,
+                q: &a.queries[s * r * d..][..r * d],
+                keys: &a.exact_keys[s * e_n * d..][..e_n * d],
+                bias: a
+                    .bias
+                    .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]),
+                d,
+                scaling: a.scaling,
+                softcap: a.softcap,
+            };
+            run_softmax(args);
+            exact
+        })
+        .collect();
+    let sums = value_sums(values, &weights, a.value_norms.as_ref(), r)?;
+    let mut out = vec![0.0f32; s_n * r * d];
+    out.par_chunks_mut(r * d).enumerate().for_each(|(s, out)| {
+        let m = a
+            .value_frames
+            .map(|(m, heads)| &m[(s % heads) * d * d..][..d * d]);
+        let args = Outputs {
+            sums: &sums[s * r * d..][..r * d],
+            frame: m,
+            p: &exact_p[s],
+            values: &a.exact_values[s * e_n * d..][..e_n * d],
+            d,
+        };
+        run_outputs(args, out);
+    });
+    Ok(out)
+}
+
+/// One stream's scores: `coded` `[R, T]` holds the coded logits and gets their softmax
+/// weights, `exact` `[R, E]` the exact tokens' weights.
+struct Scores<'a> {
+    coded: &'a mut [f32],
+    exact: &'a mut [f32],
+    q: &'a [f32],
+    keys: &'a [f32],
+    bias: Option<&'a [f32]>,
+    d: usize,
+    scaling: f32,
+    softcap: Option<f32>,
+}
+
+/// One stream's outputs from its coded sums `[R, D]` (frame coordinates) and exact weights.
+struct Outputs<'a> {
+    sums: &'a [f32],
+    frame: Option<&'a [f32]>,
+    p: &'a [f32],
+    values: &'a [f32],
+    d: usize,
+}
+
+#[inline(always)]
+fn softmax_rows<const FMA: bool>(a: Scores<'_>) {
+    let d = a.d;
+    let r = a.q.len() / d;
+    let (t_n, e_n) = (a.coded.len() / r, a.exact.len() / r);
+    let mut row = vec![0.0f32; t_n + e_n];
+    for j in 0..r {
+        let q = &a.q[j * d..][..d];
+        row[..t_n].copy_from_slice(&a.coded[j * t_n..][..t_n]);
+        for (x, k) in row[t_n..].iter_mut().zip(a.keys.chunks_exact(d)) {
+            *x = dot::<FMA>(q, k);
+        }
+        row.iter_mut().for_each(|x| *x *= a.scaling);
+        if let Some(c) = a.softcap {
+            row.iter_mut().for_each(|x| *x = (*x / c).tanh() * c);
+        }
+        if let Some(b) = a.bias {
+            let b = &b[j * (t_n + e_n)..];
+            row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+        }
+        softmax(&mut row);
+        a.coded[j * t_n..][..t_n].copy_from_slice(&row[..t_n]);
+        a.exact[j * e_n..][..e_n].copy_from_slice(&row[t_n..]);
+    }
+}
+
+/// `x` turned into its softmax in place; all zeros when every entry is `-inf`.
+#[inline(always)]
+fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if max == f32::NEG_INFINITY {
+        x.fill(0.0);
+        return;
+    }
+    x.iter_mut().for_each(|v| *v = exp_le0(*v - max));
+    let sum: f32 = x.iter().sum();
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// `e^x` for `x <= 0` (0 below -87.3, where `e^x` leaves the normal floats), with the Cephes
+/// polynomial of `expf` (relative error about 2e-7), branch-free so that a loop over it
+/// vectorises: `x = n ln2 + f` with `n` rounded by the 1.5 * 2^23 trick, whose bits then
+/// hold `n` for building `2^n`.
+#[inline(always)]
+pub(super) fn exp_le0(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let xc = x.max(-87.3);
+    let t = xc * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    let f = xc - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = p * f + c;
+    }
+    let y = p * f * f + f + 1.0;
+    let scale = f32::from_bits(((t.to_bits() as i32 - MAGIC.to_bits() as i32 + 127) << 23) as u32);
+    if x < -87.3 {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+#[inline(always)]
+fn outputs<const FMA: bool>(a: Outputs<'_>, out: &mut [f32]) {
+    let d = a.d;
+    let r = out.len() / d;
+    let e_n = a.p.len() / r.max(1);
+    for (j, o) in out.chunks_exact_mut(d).enumerate() {
+        let s = &a.sums[j * d..][..d];
+        match a.frame {
+            Some(m) => times_frame::<FMA>(s, m, o),
+            None => o.copy_from_slice(s),
+        }
+        for (&p, v) in a.p[j * e_n..][..e_n].iter().zip(a.values.chunks_exact(d)) {
+            if p != 0.0 {
+                o.iter_mut()
+                    .zip(v)
+                    .for_each(|(o, &v)| *o = madd::<FMA>(p, v, *o));
+            }
+        }
+    }
+}
+
+/// [`softmax_rows`], built with AVX + FMA where this CPU has them.
+#[allow(unsafe_code)]
+fn run_softmax(args: Scores<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx_fma() {
+        #[target_feature(enable = "avx,fma")]
+        fn kernel(args: Scores<'_>) {
+            softmax_rows::<true>(args)
+        }
+        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
+        return unsafe { kernel(args) };
+    }
+    softmax_rows::<false>(args)
+}
+
+/// [`outputs`], built with AVX + FMA where this CPU has them.
+#[allow(unsafe_code)]
+fn run_outputs(args: Outputs<'_>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx_fma() {
+        #[target_feature(enable = "avx,fma")]
+        fn kernel(args: Outputs<'_>, out: &mut [f32]) {
+            outputs::<true>(args, out)
+        }
+        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
+        return unsafe { kernel(args, out) };
+    }
+    outputs::<false>(args, out)
+}

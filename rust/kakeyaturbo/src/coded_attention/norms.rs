@@ -1,0 +1,90 @@
+//! Token norms of coded streams, as floats or as the one-byte codes `KakeyaCache` holds.
+//!
+//! The codes are those of `python/kakeyaturbo/norm_codes.py`: per block and stream, the
+//! smallest and largest nonzero norm as float16 (`lo`, `hi`) and per token a byte, 0 for an
+//! exact zero and `c` in 1..=255 for `2^(log2 lo + (c - 1) (log2 hi - log2 lo) / 254)`.
+//! Decoding them here, block by block inside the kernels, spares a per-step decode of every
+//! block's norms in torch. The arithmetic is the Python decoder's, operation for operation.
+
+use std::borrow::Cow;
+
+use half::f16;
+
+use super::CodedStreams;
+use crate::error::{Error, Result};
+
+/// Log steps between a stream's smallest and largest norm (codes 1..=255).
+const STEPS: f32 = 254.0;
+
+/// Token norms of every stream of a [`CodedStreams`].
+pub enum Norms<'a> {
+    /// `[streams, tokens]` floats.
+    Values(&'a [f32]),
+    /// Per block, its codes `[streams, block tokens]` and float16 bounds `[streams, 2]`
+    /// (smallest, largest nonzero norm).
+    Codes(Vec<(&'a [u8], &'a [f16])>),
+}
+
+impl Norms<'_> {
+    /// Checks the norms against the streams' layout and, for codes, that every bound is a
+    /// positive finite float16 (hostile bounds would decode to NaN or infinity).
+    pub fn check(&self, coded: &CodedStreams<'_>) -> Result<()> {
+        let (s_n, t_n) = (coded.streams(), coded.tokens());
+        match self {
+            Norms::Values(v) => super::check_len("norms", v.len(), &[s_n, t_n], "streams x tokens"),
+            Norms::Codes(blocks) => {
+                if blocks.len() != coded.blocks() {
+                    return Err(Error::Shape(format!(
+                        "norm codes: {} blocks, the streams have {}",
+                        blocks.len(),
+                        coded.blocks()
+                    )));
+                }
+                for (b, (codes, bounds)) in blocks.iter().enumerate() {
+                    let n = coded.offsets[b + 1] - coded.offsets[b];
+                    let what = format!("norm codes of block {b}");
+                    super::check_len(&what, codes.len(), &[s_n, n], "streams x tokens")?;
+                    super::check_len(&what, bounds.len(), &[s_n, 2], "streams x 2 bounds")?;
+                    if let Some(v) = bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
+                        return Err(Error::Format(format!(
+                            "{what}: bound {v} is not a positive finite float16"
+                        )));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The norms of stream `s`'s block `b` (after [`Norms::check`]).
+    pub(super) fn block(
+        &self,
+        coded: &CodedStreams<'_>,
+        s: usize,
+        b: usize,
+    ) -> Result<Cow<'_, [f32]>> {
+        let (t0, n) = (coded.offsets[b], coded.offsets[b + 1] - coded.offsets[b]);
+        match self {
+            Norms::Values(v) => Ok(Cow::Borrowed(&v[s * coded.tokens() + t0..][..n])),
+            Norms::Codes(blocks) => {
+                let (codes, bounds) = blocks[b];
+                let (lo, hi) = (
+                    bounds[2 * s].to_f32().log2(),
+                    bounds[2 * s + 1].to_f32().log2(),
+                );
+                let step = (hi - lo) / STEPS;
+                let norms = codes[s * n..][..n]
+                    .iter()
+                    .map(|&c| {
+                        if c == 0 {
+                            0.0
+                        } else {
+                            ((c as f32 - 1.0) * step + lo).exp2()
+                        }
+                    })
+                    .collect();
+                Ok(Cow::Owned(norms))
+            }
+        }
+    }
+}
