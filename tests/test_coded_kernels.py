@@ -1,7 +1,8 @@
-"""The codec's attention kernels (``coded_key_logits``, ``coded_value_sums``) compute what the
-decoded keys and values give, on real codes: RoPE in either pairing and partial, per-row
-positions, per-head frames, token norms, blocks of unequal length. And they refuse what they
-cannot read with an exception naming the argument."""
+"""The codec's attention kernels (``coded_key_logits``, ``coded_value_sums``, and
+``coded_attend``, the whole attention of a decode step) compute what the decoded keys and values
+give, on real codes: RoPE in either pairing and partial, per-row positions, per-head frames,
+token norms as floats or as their one-byte codes, blocks of unequal length, masks, softcap. And
+they refuse what they cannot read with an exception naming the argument."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 import kakeyaturbo as kt
-from kakeyaturbo.codec import coded_key_logits, coded_value_sums
+from kakeyaturbo.codec import coded_attend, coded_key_logits, coded_value_sums
 from kakeyaturbo.hf.rope import RotarySpec
+from kakeyaturbo.norm_codes import decode_norms, encode_norms
 
 ROWS, HEADS, D, G = 2, 3, 64, 3
 LENS = (64, 64, 20)  # the last block shorter
@@ -85,6 +87,18 @@ def test_key_and_value_norm_scales():
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
+def test_norm_codes_scale_as_their_decoded_norms():
+    encs, y = coded_stream_major(9)
+    s, t = ROWS * HEADS, y.shape[1]
+    codes, norms = norm_code_arrays(torch.rand(s, t) * 3 + 0.2)
+    q = torch.randn(s, G, D)
+    w = torch.rand(s, G, t)
+    for fn, arg in ((coded_key_logits, q), (coded_value_sums, w)):
+        want = fn(encs, s, arg.numpy(), norms=norms.numpy())
+        got = fn(encs, s, arg.numpy(), norms=codes)  # exp2 in Rust and torch: an ulp apart
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_refused_by_name():
     encs, y = coded_stream_major(4)
     s, t = ROWS * HEADS, y.shape[1]
@@ -111,3 +125,96 @@ def test_bad_inputs_are_refused_by_name():
         coded_value_sums(encs, s, np.zeros((s, G, t + 1), np.float32))
     with pytest.raises(TypeError, match="encs"):
         coded_value_sums([y], 1, np.zeros((1, G, t), np.float32))
+
+
+def norm_code_arrays(norms: torch.Tensor):
+    """``norms`` [streams, tokens] coded per block as KakeyaCache holds them, the lists
+    ``coded_attend`` takes, and what they decode to (``decode_norms``)."""
+    parts, t0 = [], 0
+    for n in LENS:
+        parts.append(encode_norms(norms[None, :, t0 : t0 + n]))
+        t0 += n
+    codes = ([p.arrays()[0] for p in parts], [p.arrays()[1] for p in parts])
+    return codes, decode_norms(parts)[0]
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_whole_attention_equals_the_softmax_over_decoded_tokens(softcap):
+    kencs, yk = coded_stream_major(5)
+    vencs, yv = coded_stream_major(6)
+    s, t, e = ROWS * HEADS, yk.shape[1], 7
+    g = torch.Generator().manual_seed(7)
+    rope = RotarySpec(
+        inv_freq=10000.0 ** (-torch.arange(0, D, 2).float() / D), rot_dim=D, adjacent_pairs=False
+    )
+    kf, vf = torch.randn(HEADS, D, D, generator=g) / 8, torch.randn(HEADS, D, D, generator=g) / 8
+    q = torch.randn(ROWS, HEADS, G, D, generator=g)
+    pos = torch.arange(t)[None] + torch.tensor([[0], [300]])
+    (kcodes, kn), (vcodes, vn) = (
+        norm_code_arrays(torch.rand(s, t, generator=g) * 4 + 0.1) for _ in range(2)
+    )
+    ek, ev = (torch.randn(ROWS, HEADS, e, D, generator=g) for _ in range(2))
+    # Per batch row: a few coded and exact tokens masked, and row 1's last query row whole.
+    bias = torch.randn(ROWS, 1, G, t + e, generator=g).clamp(max=0)
+    bias[torch.rand(bias.shape, generator=g) < 0.2] = float("-inf")
+    bias[1, 0, G - 1] = float("-inf")
+
+    # The reference, from the decoded keys and values in float64.
+    keys = (yk * (kn / yk.norm(dim=-1))[..., None]).view(ROWS, HEADS, t, D).double() @ kf.double()
+    keys = rope.rotate(keys, pos)
+    values = (yv * (vn / yv.norm(dim=-1))[..., None]).view(ROWS, HEADS, t, D).double() @ vf.double()
+    scores = q.double() @ torch.cat((keys, ek.double()), dim=2).transpose(-1, -2) * 0.125
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + bias.double(), dim=-1).nan_to_num(0.0)
+    want = probs @ torch.cat((values, ev.double()), dim=2)
+
+    got = coded_attend(
+        kencs,
+        vencs,
+        s,
+        q.reshape(s, G, D).numpy(),
+        ek.reshape(s, e, D).numpy(),
+        ev.reshape(s, e, D).numpy(),
+        0.125,
+        key_frames=kf.numpy(),
+        rotation=rope.split_rotation(pos, torch.device("cpu")).numpy(),
+        key_norms=kcodes,
+        value_frames=vf.numpy(),
+        value_norms=vcodes,
+        bias=bias.reshape(ROWS, G, t + e).numpy(),
+        softcap=softcap,
+    )
+    got = torch.from_numpy(got).view(ROWS, HEADS, G, D)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert (got[1, :, G - 1] == 0).all()
+
+
+def test_whole_attention_refuses_bad_inputs_by_name():
+    encs, y = coded_stream_major(8)
+    s, t = ROWS * HEADS, y.shape[1]
+    q, ex = np.zeros((s, G, D), np.float32), np.zeros((s, 4, D), np.float32)
+    (codes, bounds), _ = norm_code_arrays(torch.rand(s, t) + 0.5)
+
+    def call(**kw):
+        args = dict(exact_keys=ex, exact_values=ex, scaling=1.0)
+        args.update(kw)
+        return coded_attend(encs, encs, s, q, **args)
+
+    call()
+    with pytest.raises(TypeError, match="exact_keys"):
+        call(exact_keys=ex.astype(np.float64))
+    with pytest.raises(ValueError, match="exact_values"):
+        call(exact_values=np.zeros((s, 3, D), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        call(bias=np.zeros((4, G, t + 4), np.float32))
+    with pytest.raises(TypeError, match="value_norms"):
+        call(value_norms=([c.astype(np.int16) for c in codes], bounds))
+    with pytest.raises(ValueError, match="norm codes: 2 blocks"):
+        call(key_norms=(codes[:2], bounds[:2]))
+    hostile = [b.copy() for b in bounds]
+    hostile[1][2, 0] = np.nan  # the decoder treats every byte as hostile
+    with pytest.raises(kt.FormatError, match="not a positive finite"):
+        call(value_norms=(codes, hostile))
+    with pytest.raises(ValueError, match="value_encs: .*equal blocks"):
+        coded_attend(encs, encs[:-1] + encs[:1], s, q, ex, ex, 1.0)

@@ -9,7 +9,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::codec::PyEncodedLayer;
-use crate::errors::{to_py, type_error};
+use crate::errors::{to_py, to_py_in, type_error};
 
 /// A float32 array of `D` dims, C-contiguous, or a TypeError naming `arg`.
 fn f32_array<'py, D: Dimension>(
@@ -220,8 +220,8 @@ pub fn coded_attend<'py>(
     softcap: Option<f32>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
-    let keys = CodedStreams::new(&krefs, streams).map_err(to_py)?;
-    let values = CodedStreams::new(&vrefs, streams).map_err(to_py)?;
+    let keys = CodedStreams::new(&krefs, streams).map_err(|e| to_py_in("key_encs", e))?;
+    let values = CodedStreams::new(&vrefs, streams).map_err(|e| to_py_in("value_encs", e))?;
     let q = f32_array::<numpy::Ix3>(queries, "queries")?;
     let (ek, ev) = (
         f32_array::<numpy::Ix3>(exact_keys, "exact_keys")?,

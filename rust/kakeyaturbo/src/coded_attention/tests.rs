@@ -557,68 +557,61 @@ fn attend_refuses_mismatched_inputs() {
     let out = attend(&kc, &vc, &base()).unwrap();
     assert_eq!(out.len(), 2 * 64);
     let oc = CodedStreams::new(&or, 2).unwrap();
-    assert!(attend(&kc, &oc, &base())
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("values"));
-    let a = Attend {
-        exact_values: &ex[64..],
-        ..base()
+    // The error names what is wrong.
+    let refused = |v: &CodedStreams<'_>, a: &Attend<'_>, what: &str| {
+        let e = attend(&kc, v, a).err().expect("refused").to_string();
+        assert!(e.contains(what), "{what}: {e}");
     };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("exact_values"));
-    let a = Attend {
-        exact_keys: &ex[1..],
-        ..base()
-    };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("exact_keys"));
-    let bias = vec![0.0f32; 26];
-    let a = Attend {
-        bias: Some((&bias, 1)),
-        ..base()
-    };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("bias"));
-    let bias = vec![0.0f32; 3 * 27];
-    let a = Attend {
-        bias: Some((&bias, 3)),
-        ..base()
-    };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("bias"));
+    refused(&oc, &base(), "values");
+    let (bias, long_bias) = (vec![0.0f32; 26], vec![0.0f32; 3 * 27]);
     let frames = vec![0.0f32; 64 * 64 - 1];
-    let a = Attend {
-        value_frames: Some((&frames, 1)),
-        ..base()
-    };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("value_frames"));
-    let a = Attend {
-        queries: &q[1..],
-        ..base()
-    };
-    assert!(attend(&kc, &vc, &a)
-        .err()
-        .unwrap()
-        .to_string()
-        .contains("queries"));
+    let cases = [
+        (
+            Attend {
+                exact_values: &ex[64..],
+                ..base()
+            },
+            "exact_values",
+        ),
+        (
+            Attend {
+                exact_keys: &ex[1..],
+                ..base()
+            },
+            "exact_keys",
+        ),
+        (
+            Attend {
+                bias: Some((&bias, 1)),
+                ..base()
+            },
+            "bias",
+        ),
+        (
+            Attend {
+                bias: Some((&long_bias, 3)),
+                ..base()
+            },
+            "bias",
+        ),
+        (
+            Attend {
+                value_frames: Some((&frames, 1)),
+                ..base()
+            },
+            "value_frames",
+        ),
+        (
+            Attend {
+                queries: &q[1..],
+                ..base()
+            },
+            "queries",
+        ),
+    ];
+    for (a, what) in &cases {
+        refused(&vc, a, what);
+    }
 }
 
 #[test]

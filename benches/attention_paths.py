@@ -1,0 +1,89 @@
+"""One decode step's time with DynamicCache and with KakeyaCache's CPU attention paths,
+interleaved in one process so the shared machine's drift falls on every path alike.
+
+    .venv/bin/python benches/attention_paths.py \\
+        --model ../shared/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --contexts 4096 8064 --calibration artifacts/calib-smollm2
+
+Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``):
+- ``whole``: the codec computes a decode step's whole attention in one call per layer
+  (``Pipeline.attend``: logits, softmax, value sums, exact part), the default;
+- ``two-kernels``: the codec's logits and value-sum kernels around a torch softmax, bias and
+  exact part (``WHOLE_ATTENTION_ROWS = 0``), the default before ``attend``.
+
+Each context is prefilled once per cache; then each repetition times ``--steps`` single-token
+forwards per path in turn (each forward's token cropped again, so every step sees the same
+cache). Prints each repetition and the medians' ratios to DynamicCache's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+import kakeyaturbo.hf.coded_attention as coded_attention
+from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.modeling import load_model, read_text, tokenize_text
+
+PATHS = {"whole": coded_attention.WHOLE_ATTENTION_ROWS, "two-kernels": 0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--text", default="../shared/data/wikitext-2-raw-test.txt")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    ap.add_argument("--calibration", default=None, help="a calibration bundle directory")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    calibration = None
+    if args.calibration:
+        from kakeyaturbo.calibration import Calibration
+
+        calibration = Calibration.load(args.calibration, model)
+    ids = torch.as_tensor(tokenize_text(tok, read_text(args.text))).reshape(1, -1)
+    print(f"model {args.model}, torch threads {args.threads}, bundle {args.calibration}")
+    for ctx in args.contexts:
+        run_context(model, ids[:, : ctx + 1], ctx, calibration, args)
+
+
+@torch.inference_mode()
+def run_context(model, ids, ctx, calibration, args) -> None:
+    model.set_attn_implementation("sdpa")
+    dense = DynamicCache()
+    model(ids[:, :ctx], past_key_values=dense)
+    coded = KakeyaCache.from_model(model, calibration=calibration, hot_dtype=torch.bfloat16)
+    model(ids[:, :ctx], past_key_values=coded)
+    runs = {"DynamicCache": (dense, None)} | {p: (coded, rows) for p, rows in PATHS.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in tqdm(range(args.reps), desc=f"ctx {ctx}", leave=False):
+        for name, (cache, rows) in runs.items():
+            if rows is not None:
+                coded_attention.WHOLE_ATTENTION_ROWS = rows
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                model(ids[:, ctx : ctx + 1], past_key_values=cache)
+                cache.crop(-1)
+            times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
+    coded_attention.WHOLE_ATTENTION_ROWS = PATHS["whole"]
+    base = statistics.median(times["DynamicCache"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        reps = " ".join(f"{t:6.1f}" for t in ts)
+        print(
+            f"ctx {ctx:5d} {name:13s} step ms {reps}  median {med:6.1f}  "
+            f"speed vs dyn {base / med:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
