@@ -559,7 +559,7 @@ fn attend_refuses_mismatched_inputs() {
     let oc = CodedStreams::new(&or, 2).unwrap();
     // The error names what is wrong.
     let refused = |v: &CodedStreams<'_>, a: &Attend<'_>, what: &str| {
-        let e = attend(&kc, v, a).err().expect("refused").to_string();
+        let e = attend(&kc, v, a).expect_err("refused").to_string();
         assert!(e.contains(what), "{what}: {e}");
     };
     refused(&oc, &base(), "values");
