@@ -17,13 +17,14 @@ parts:
   exact sink keys and values lead the exact part.
 
 On the CPU the codec computes both sums itself (``Pipeline.key_logits`` / ``value_sums``, the
-Rust ``coded_attention`` kernels): each block is decoded into a scratch buffer that stays in
-cache and finished there (frame, RoPE, logits; norms, weighted sum), blocks in parallel, so no
-decoded copy of the layer is ever written. On other devices the blocks are decoded to frame
-coordinates and the same arithmetic runs in torch (``CPU_KERNELS = False`` runs that path on
-the CPU too). Nothing decoded outlives the call, so the cache holds what its ``memory_report``
-says. The codes are the ones the dense path decodes: outputs agree with it to float32
-rounding.
+Rust ``coded_attention`` kernels; for a decode step's few query rows the whole attention,
+softmax and exact part included, in one call, ``Pipeline.attend``): each block is decoded
+into a scratch buffer that stays in cache and finished there (frame, RoPE, logits; norms,
+weighted sum), blocks in parallel, so no decoded copy of the layer is ever written. On other
+devices the blocks are decoded to frame coordinates and the same arithmetic runs in torch
+(``CPU_KERNELS = False`` runs that path on the CPU too). Nothing decoded outlives the call, so
+the cache holds what its ``memory_report`` says. The codes are the ones the dense path
+decodes: outputs agree with it to float32 rounding.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ CPU_KERNELS = True
 
 #: Up to this many query rows per KV head (query heads per KV head x query tokens), the CPU
 #: kernels compute the whole attention, softmax and exact part included, in one call
-#: (``Pipeline.attend``): a decode step's dozen small torch ops per layer cost more than
-#: either kernel. Longer queries (prefill) leave the softmax and the exact part to torch.
+#: (``Pipeline.attend``), instead of a dozen small torch ops per layer between the two kernels
+#: (3-6% of a decode step, ``benches/attention_paths.py``). Longer queries (prefill) leave the
+#: softmax and the exact part (a GEMM there) to torch.
 WHOLE_ATTENTION_ROWS = 64
 
 

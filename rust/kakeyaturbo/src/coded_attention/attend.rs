@@ -2,10 +2,10 @@
 //!
 //! [`super::key_logits`] and [`super::value_sums`] leave the softmax between them to the
 //! caller; in torch that is a dozen small ops per layer and step (concatenation, scaling,
-//! bias, softmax, slices, the value frame, the exact part), which cost a decode step more
-//! than either kernel. [`attend`] does all of it: the coded logits, the exact part's logits,
-//! `scaling`, the optional softcap, the additive bias, a softmax per query row over coded and
-//! exact tokens, the coded value sums, the value frame and the exact values. The exact part's
+//! bias, softmax, slices, the value frame, the exact part), 3-6% of a decode step. [`attend`]
+//! does all of it: the coded logits, the exact part's logits, `scaling`, the optional softcap,
+//! the additive bias, a softmax per query row over coded and exact tokens, the coded value
+//! sums, the value frame and the exact values. The exact part's
 //! products are plain dots, written for the few query rows of a decode step; prefill-sized
 //! queries belong to a matrix library.
 
