@@ -135,14 +135,11 @@ class CodedView:
         CPU path for few query rows."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
-        (key, value), (b, h, rows, d) = exact, q.shape
+        (key, value), (b, h, rows, _) = exact, q.shape
         frame = pipe.frame_inverse(li, "k")
         rotation = None
-        if lay._rope is not None:
-            order = lay._rope.split_order(d)
-            if order is not None:  # the exact keys follow the query into the paired order
-                frame = torch.eye(d).expand(h, d, d) if frame is None else frame
-                frame, q, key = frame[..., order], q[..., order], key[..., order]
+        if lay._rope is not None:  # the exact keys follow the query into the paired order
+            frame, (q, key) = self._split_layout(frame, q, key)
             rotation = self._rotation("split")
         # (Keys coded post-RoPE go through the frame per token here: the exact keys are
         # scored by the same query, which the frame cannot be folded into for them.)
@@ -164,20 +161,29 @@ class CodedView:
         """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by
         block (decode, frame, RoPE, dot) with no decoded copy of the layer: the CPU path."""
         lay = self.layer
-        pipe, d = lay._ctx.pipeline, q.shape[-1]
+        pipe = lay._ctx.pipeline
         frame = pipe.frame_inverse(lay.layer_idx, "k")
         if lay._rope is None:
             # Keys coded post-RoPE never leave the frame: q . (y M) = (q M^T) . y.
             qf = q if frame is None else q @ frame.transpose(-1, -2)
             return pipe.key_logits(kb, q.shape[0], qf, None, None)
-        # Keys leave the frame with each RoPE pair at channels (i, i + rot_dim/2) (the frame's
-        # columns permuted, free; already so for half-split RoPE), where the codec turns them
-        # over contiguous halves; the query follows.
-        order = lay._rope.split_order(d)
-        if order is not None:  # an identity frame becomes the permutation
-            frame = torch.eye(d).expand(q.shape[1], d, d) if frame is None else frame
-            frame, q = frame[..., order], q[..., order]
+        frame, (q,) = self._split_layout(frame, q)
         return pipe.key_logits(kb, q.shape[0], q, frame, self._rotation("split"))
+
+    def _split_layout(
+        self, frame: torch.Tensor | None, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """The key frame and ``tensors`` (the query, exact keys: ``[..., D]``) in the channel
+        order where each RoPE pair is ``(i, i + rot_dim/2)``, where the codec turns keys over
+        contiguous halves: the frame's columns permuted, free (already so for half-split
+        RoPE; an identity frame becomes the permutation)."""
+        d = tensors[0].shape[-1]
+        order = self.layer._rope.split_order(d)
+        if order is None:
+            return frame, tensors
+        heads = tensors[0].shape[1]
+        frame = torch.eye(d).expand(heads, d, d) if frame is None else frame
+        return frame[..., order], tuple(t[..., order] for t in tensors)
 
     def _torch_logits(self, q: torch.Tensor, kb: list, dev) -> torch.Tensor:
         """:meth:`_codec_logits` on another device: the blocks decoded to frame coordinates

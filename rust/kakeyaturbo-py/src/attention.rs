@@ -31,6 +31,29 @@ fn f32_array<'py, D: Dimension>(
     Ok(a)
 }
 
+/// [`f32_array`] of an optional argument.
+fn opt_f32_array<'py, D: Dimension>(
+    obj: Option<&Bound<'py, PyAny>>,
+    arg: &str,
+) -> PyResult<Option<PyReadonlyArray<'py, f32, D>>> {
+    obj.map(|o| f32_array::<D>(o, arg)).transpose()
+}
+
+/// The rotation `[rows, tokens, 2, pairs]` as the kernels take it.
+fn rope_angles<'a>(
+    r: &'a Option<PyReadonlyArray<'_, f32, numpy::Ix4>>,
+) -> PyResult<Option<RopeAngles<'a>>> {
+    r.as_ref()
+        .map(|r| {
+            Ok(RopeAngles {
+                values: r.as_slice()?,
+                rows: r.shape()[0],
+                pairs: r.shape()[3],
+            })
+        })
+        .transpose()
+}
+
 /// Token norms as passed in: float32 `[streams, tokens]`, or per block its uint8 codes
 /// `[streams, tokens]` and float16 bounds `[streams, 2]` (a pair of lists).
 enum NormsIn<'py> {
@@ -135,31 +158,14 @@ pub fn coded_key_logits<'py>(
     let coded = CodedStreams::new(&refs, streams).map_err(to_py)?;
     let q = f32_array::<numpy::Ix3>(queries, "queries")?;
     let g = q.shape()[1];
-    let frames = frames
-        .map(|f| f32_array::<numpy::Ix3>(f, "frames"))
-        .transpose()?;
-    let rotation = rotation
-        .map(|r| f32_array::<numpy::Ix4>(r, "rotation"))
-        .transpose()?;
+    let frames = opt_f32_array::<numpy::Ix3>(frames, "frames")?;
+    let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
     let norms = norms_arg(norms, "norms")?;
-    let heads = frames.as_ref().map(|f| f.shape()[0]);
-    let rot = rotation.as_ref().map(|r| (r.shape()[0], r.shape()[3]));
-    let (qs, fs) = (
-        q.as_slice()?,
-        frames.as_ref().map(|f| f.as_slice()).transpose()?,
-    );
-    let rs = rotation.as_ref().map(|r| r.as_slice()).transpose()?;
+    let (qs, fs, rot) = (q.as_slice()?, with_lead(&frames)?, rope_angles(&rotation)?);
     let ns = norms.as_ref().map(|n| n.view()).transpose()?;
     let t_n = coded.tokens();
     let out = py
-        .detach(|| {
-            let rotation = rs.zip(rot).map(|(values, (rows, pairs))| RopeAngles {
-                values,
-                rows,
-                pairs,
-            });
-            core::key_logits(&coded, fs.zip(heads), rotation.as_ref(), ns.as_ref(), qs, g)
-        })
+        .detach(|| core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g))
         .map_err(to_py)?;
     output(py, out, [streams, g, t_n])
 }
@@ -227,16 +233,12 @@ pub fn coded_attend<'py>(
         f32_array::<numpy::Ix3>(exact_keys, "exact_keys")?,
         f32_array::<numpy::Ix3>(exact_values, "exact_values")?,
     );
-    let opt3 =
-        |o: Option<&Bound<'py, PyAny>>, arg| o.map(|f| f32_array::<numpy::Ix3>(f, arg)).transpose();
     let (kf, vf, bias) = (
-        opt3(key_frames, "key_frames")?,
-        opt3(value_frames, "value_frames")?,
-        opt3(bias, "bias")?,
+        opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?,
+        opt_f32_array::<numpy::Ix3>(value_frames, "value_frames")?,
+        opt_f32_array::<numpy::Ix3>(bias, "bias")?,
     );
-    let rotation = rotation
-        .map(|r| f32_array::<numpy::Ix4>(r, "rotation"))
-        .transpose()?;
+    let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
     let (kn, vn) = (
         norms_arg(key_norms, "key_norms")?,
         norms_arg(value_norms, "value_norms")?,
@@ -246,16 +248,7 @@ pub fn coded_attend<'py>(
         queries: q.as_slice()?,
         rows,
         key_frames: with_lead(&kf)?,
-        rotation: rotation
-            .as_ref()
-            .map(|r| {
-                Ok::<_, PyErr>(RopeAngles {
-                    values: r.as_slice()?,
-                    rows: r.shape()[0],
-                    pairs: r.shape()[3],
-                })
-            })
-            .transpose()?,
+        rotation: rope_angles(&rotation)?,
         key_norms: kn.as_ref().map(|n| n.view()).transpose()?,
         value_frames: with_lead(&vf)?,
         value_norms: vn.as_ref().map(|n| n.view()).transpose()?,

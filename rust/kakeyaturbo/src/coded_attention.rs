@@ -140,6 +140,30 @@ fn check_len(name: &str, got: usize, dims: &[usize], shape: &str) -> Result<()> 
     }
 }
 
+/// Per-head frames `[heads, d, d]` (with `heads`) must split `streams` streams into equal
+/// groups and hold `heads` matrices of `d x d`.
+fn check_frames(
+    name: &str,
+    frames: Option<(&[f32], usize)>,
+    streams: usize,
+    d: usize,
+) -> Result<()> {
+    let Some((m, heads)) = frames else {
+        return Ok(());
+    };
+    if heads == 0 || !streams.is_multiple_of(heads) {
+        return Err(Error::Shape(format!(
+            "{name}: {streams} streams do not group over {heads} heads"
+        )));
+    }
+    check_len(name, m.len(), &[heads, d, d], "heads x head_dim x head_dim")
+}
+
+/// Stream `s`'s frame (head `s % heads`), after [`check_frames`].
+fn frame_of(frames: Option<(&[f32], usize)>, s: usize, d: usize) -> Option<&[f32]> {
+    frames.map(|(m, heads)| &m[(s % heads) * d * d..][..d * d])
+}
+
 /// The RoPE rotation of [`key_logits`]: at every coded token the cosines, then the sines, of
 /// the angles of channel pairs `(i, i + pairs)`, `[rows, tokens, 2, pairs]` (`rows` 1: shared
 /// by every row).
@@ -168,19 +192,7 @@ pub fn key_logits(
         &[s_n, g, d],
         "streams x rows x head_dim",
     )?;
-    if let Some((m, heads)) = frames {
-        if heads == 0 || s_n % heads != 0 {
-            return Err(Error::Shape(format!(
-                "{s_n} streams do not group over {heads} heads"
-            )));
-        }
-        check_len(
-            "frames",
-            m.len(),
-            &[heads, d, d],
-            "heads x head_dim x head_dim",
-        )?;
-    }
+    check_frames("frames", frames, s_n, d)?;
     if let Some(r) = rotation {
         if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
             return Err(Error::Shape(format!(
@@ -200,7 +212,7 @@ pub fn key_logits(
     }
     let parts = coded.map_blocks(|s, b, y, t0| {
         let n = y.len() / d;
-        let m = frames.map(|(m, heads)| &m[(s % heads) * d * d..][..d * d]);
+        let m = frame_of(frames, s, d);
         let rot = rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
             let w = 2 * r.pairs;
@@ -427,34 +439,36 @@ fn avx_fma() -> bool {
     }
 }
 
-/// [`block_logits`], built with AVX + FMA where this CPU has them.
-#[allow(unsafe_code)]
-fn run_block_logits(args: LogitArgs<'_>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx_fma() {
-        #[target_feature(enable = "avx,fma")]
-        fn kernel(args: LogitArgs<'_>, out: &mut [f32]) {
-            block_logits::<true>(args, out)
+/// `fn $name(args) { $generic::<FMA>(args) }` with `FMA` true, in a build with AVX + FMA
+/// enabled, where this CPU has them: the one place the kernels' dispatch is written.
+macro_rules! with_avx_fma {
+    ($(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),*) => $generic:ident) => {
+        $(#[$doc])*
+        #[allow(unsafe_code)]
+        fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            if $crate::coded_attention::avx_fma() {
+                #[target_feature(enable = "avx,fma")]
+                fn kernel($($arg: $ty),*) {
+                    $generic::<true>($($arg),*)
+                }
+                // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
+                return unsafe { kernel($($arg),*) };
+            }
+            $generic::<false>($($arg),*)
         }
-        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
-        return unsafe { kernel(args, out) };
-    }
-    block_logits::<false>(args, out)
+    };
+}
+pub(crate) use with_avx_fma;
+
+with_avx_fma! {
+    /// [`block_logits`], built with AVX + FMA where this CPU has them.
+    fn run_block_logits(args: LogitArgs<'_>, out: &mut [f32]) => block_logits
 }
 
-/// [`block_sums`], built with AVX + FMA where this CPU has them.
-#[allow(unsafe_code)]
-fn run_block_sums(args: SumArgs<'_>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx_fma() {
-        #[target_feature(enable = "avx,fma")]
-        fn kernel(args: SumArgs<'_>, out: &mut [f32]) {
-            block_sums::<true>(args, out)
-        }
-        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
-        return unsafe { kernel(args, out) };
-    }
-    block_sums::<false>(args, out)
+with_avx_fma! {
+    /// [`block_sums`], built with AVX + FMA where this CPU has them.
+    fn run_block_sums(args: SumArgs<'_>, out: &mut [f32]) => block_sums
 }
 
 /// `a . b` in two 8-lane AVX accumulators, then the tail.

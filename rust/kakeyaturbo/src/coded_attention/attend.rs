@@ -12,7 +12,8 @@
 use rayon::prelude::*;
 
 use super::{
-    check_len, dot, key_logits, madd, times_frame, value_sums, CodedStreams, Norms, RopeAngles,
+    check_frames, check_len, dot, frame_of, key_logits, madd, times_frame, value_sums,
+    with_avx_fma, CodedStreams, Norms, RopeAngles,
 };
 use crate::error::{Error, Result};
 
@@ -72,19 +73,7 @@ pub fn attend(
         &[s_n, e_n, d],
         "streams x exact x head_dim",
     )?;
-    if let Some((m, heads)) = a.value_frames {
-        if heads == 0 || s_n % heads != 0 {
-            return Err(Error::Shape(format!(
-                "{s_n} streams do not group over {heads} heads"
-            )));
-        }
-        check_len(
-            "value_frames",
-            m.len(),
-            &[heads, d, d],
-            "heads x head_dim x head_dim",
-        )?;
-    }
+    check_frames("value_frames", a.value_frames, s_n, d)?;
     let l_n = t_n + e_n;
     if let Some((bias, sb)) = a.bias {
         if sb == 0 || s_n % sb != 0 {
@@ -136,9 +125,7 @@ pub fn attend(
     let sums = value_sums(values, &weights, a.value_norms.as_ref(), r)?;
     let mut out = vec![0.0f32; s_n * r * d];
     out.par_chunks_mut(r * d).enumerate().for_each(|(s, out)| {
-        let m = a
-            .value_frames
-            .map(|(m, heads)| &m[(s % heads) * d * d..][..d * d]);
+        let m = frame_of(a.value_frames, s, d);
         let args = Outputs {
             sums: &sums[s * r * d..][..r * d],
             frame: m,
@@ -266,32 +253,12 @@ fn outputs<const FMA: bool>(a: Outputs<'_>, out: &mut [f32]) {
     }
 }
 
-/// [`softmax_rows`], built with AVX + FMA where this CPU has them.
-#[allow(unsafe_code)]
-fn run_softmax(args: Scores<'_>) {
-    #[cfg(target_arch = "x86_64")]
-    if super::avx_fma() {
-        #[target_feature(enable = "avx,fma")]
-        fn kernel(args: Scores<'_>) {
-            softmax_rows::<true>(args)
-        }
-        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
-        return unsafe { kernel(args) };
-    }
-    softmax_rows::<false>(args)
+with_avx_fma! {
+    /// [`softmax_rows`], built with AVX + FMA where this CPU has them.
+    fn run_softmax(args: Scores<'_>) => softmax_rows
 }
 
-/// [`outputs`], built with AVX + FMA where this CPU has them.
-#[allow(unsafe_code)]
-fn run_outputs(args: Outputs<'_>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if super::avx_fma() {
-        #[target_feature(enable = "avx,fma")]
-        fn kernel(args: Outputs<'_>, out: &mut [f32]) {
-            outputs::<true>(args, out)
-        }
-        // SAFETY: `avx_fma()` just found AVX and FMA on this CPU.
-        return unsafe { kernel(args, out) };
-    }
-    outputs::<false>(args, out)
+with_avx_fma! {
+    /// [`outputs`], built with AVX + FMA where this CPU has them.
+    fn run_outputs(args: Outputs<'_>, out: &mut [f32]) => outputs
 }
