@@ -3,7 +3,7 @@
 # model): a calibration bundle with its sensitivity scan (calibration text only), the Pareto
 # sweep against every peer with nothing exact but 4 sinks, the same sweep with the protocol the
 # product ships (4 sinks and the last 32 tokens exact for every method alike), in-forward
-# runs, the copying test, K/V attribution, and reports/README.md. About 45 minutes on 2 cores.
+# runs (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution, and reports/README.md. About 45 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -35,6 +35,11 @@ kakeyaturbo eval sweep "${COMMON[@]}" "${FAM[@]}" --bits 2 3 4 \
   --options sink_tokens=4,residual_length=32 --out reports/sweep_window32.json \
   --plot reports/pareto_window32.png
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/in_forward.json \
+  --method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=3.25" \
+  --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=4 --method fp8
+# In-forward with each prefill query reading its newest 128 tokens exact (KakeyaCache's hot
+# window while generating): the compounding a long generation sees.
+kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward-hot --out reports/in_forward_hot.json \
   --method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=3.25" \
   --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=4 --method fp8
 kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/copy.json \

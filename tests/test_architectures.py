@@ -32,6 +32,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kakeyaturbo.calibration import Calibration, model_fingerprint  # noqa: E402
 from kakeyaturbo.calibration.fit import _Moments, collect_moments, fit_bundle  # noqa: E402
+from kakeyaturbo.eval import hot_window  # noqa: E402
 from kakeyaturbo.eval.harness import evaluate_method, prepare_reference  # noqa: E402
 from kakeyaturbo.eval.methods import Method, MethodOptions  # noqa: E402
 from kakeyaturbo.hf import KakeyaCache, KakeyaLayer, LayerKind  # noqa: E402
@@ -415,6 +416,21 @@ def test_calibrated_snapshot_no_worse_than_in_forward(arch, tmp_path):
     spec = f"kakeya:block_size={BLOCK},bits_per_value=1,calibration={path}"
     snap, fwd = (evaluate(arch, spec, mode)["kl"] for mode in MODES)
     assert snap <= 2 * fwd, (snap, fwd)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_in_forward_hot_spans_snapshot_to_in_forward(arch, monkeypatch):
+    """The in-forward-hot attention on Gemma 3 (sliding layers, softcap-free, one KV head) and
+    Qwen3: with a window over the whole prefix it is snapshot mode, with none in-forward (to
+    rounding), and in between it lies between them."""
+    spec = f"kakeya:block_size={BLOCK},bits_per_value=1"
+    snap, fwd = (evaluate(arch, spec, mode)["kl"] for mode in MODES)
+    kl = {}
+    for window in (CTX, CTX // 4, 0):
+        monkeypatch.setattr(hot_window, "HOT_WINDOW", window)
+        kl[window] = evaluate(arch, spec, "in-forward-hot")["kl"]
+    assert kl[CTX] == pytest.approx(snap, rel=0.05) and kl[0] == pytest.approx(fwd, rel=0.05)
+    assert snap < kl[CTX // 4] < fwd, (snap, kl, fwd)
 
 
 # ---- 4. KakeyaCache --------------------------------------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kakeyaturbo.eval import cli as eval_cli
+from kakeyaturbo.eval import hot_window
 from kakeyaturbo.eval.baselines import bf16_round
-from kakeyaturbo.eval.harness import compress_stream, evaluate_method, prepare_reference
+from kakeyaturbo.eval.harness import MODES, compress_stream, evaluate_method, prepare_reference
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.modeling import cut_passages, kv_geometry, load_model, read_text, tokenize_text
 
@@ -224,3 +226,34 @@ def test_bare_kakeya_is_the_project_recipe(setup):
     assert r["options"]["sink_tokens"] == recipe.sink_tokens
     assert r["options"]["pre_rope"] == recipe.pre_rope
     assert r["verdict"] in ("ACCEPT", "MARGINAL", "REJECT") and r["ratio"] > 1
+
+
+@pytest.mark.parametrize(
+    "window, same_as", [(CTX, "snapshot"), (0, "in-forward")], ids=["all-exact", "none-exact"]
+)
+def test_in_forward_hot_spans_snapshot_to_in_forward(setup, monkeypatch, window, same_as):
+    # A window over the whole prefix reads every token exact in the prefill, as snapshot mode's
+    # reference prefill does; an empty one reads every token coded, as in-forward does. Only
+    # the attention's rounding differs (its own products instead of sdpa's).
+    monkeypatch.setattr(hot_window, "HOT_WINDOW", window)
+    hot = run(setup, "kivi:bits=2", "in-forward-hot")
+    other = run(setup, "kivi:bits=2", same_as)
+    assert hot["ratio"] == other["ratio"]
+    assert hot["kl"] == pytest.approx(other["kl"], rel=0.05)
+    assert hot["top1"] == pytest.approx(other["top1"], abs=1.5 / (2 * N_EVAL))
+
+
+def test_in_forward_hot_reads_recent_tokens_exact(setup, monkeypatch):
+    # Half the prefix exact for each query: less error than reading all of it coded, more than
+    # a prefill that read nothing coded.
+    monkeypatch.setattr(hot_window, "HOT_WINDOW", CTX // 2)
+    kl = {
+        m: run(setup, "kivi:bits=2", m)["kl"] for m in ("snapshot", "in-forward-hot", "in-forward")
+    }
+    assert kl["snapshot"] < kl["in-forward-hot"] < kl["in-forward"]
+    # Outside the protocol the attention is sdpa's: nothing stashed leaks into other runs.
+    assert hot_window._EXACT.get() is None
+
+
+def test_the_cli_offers_every_protocol():
+    assert eval_cli.MODES == MODES

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from kakeyaturbo.cli import add_model_argument
 
+#: The harness's protocols (``eval.harness.MODES``; named here so parsing imports no torch).
+MODES = ("snapshot", "in-forward", "in-forward-hot")
+
 __all__ = ["main", "register"]
 
 DEFAULT_CTX, DEFAULT_N_EVAL, DEFAULT_PASSAGES = 960, 64, 16
@@ -145,8 +148,7 @@ def cmd_sweep(args) -> int:
     title = (
         f"{Path(args.model).name} on {Path(args.text).name}: ctx {args.ctx}, "
         f"{args.n_eval} scored tokens, "
-        f"{args.passages} passages, {args.mode}"
-        + (f", {args.options}" if args.options else "")
+        f"{args.passages} passages, {args.mode}" + (f", {args.options}" if args.options else "")
     )
     Path(plot).parent.mkdir(parents=True, exist_ok=True)
     plot_pareto(rows, args.family, plot, title)
@@ -329,10 +331,12 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--mode",
-        choices=["snapshot", "in-forward"],
+        choices=list(MODES),
         default="snapshot",
         help="snapshot: compress the finished prefill; "
-        "in-forward: every layer sees reconstructed K/V",
+        "in-forward: every layer sees reconstructed K/V; "
+        "in-forward-hot: as in-forward, but each query reads its newest 128 tokens exact "
+        "(KakeyaCache's hot window while generating)",
     )
     p.add_argument(
         "--streams",
@@ -356,7 +360,7 @@ def register(subparsers) -> None:
         + ")",
     )
     p.add_argument("--bits", type=int, nargs="+", default=DEFAULT_BITS)
-    p.add_argument("--mode", choices=["snapshot", "in-forward"], default="snapshot")
+    p.add_argument("--mode", choices=list(MODES), default="snapshot")
     p.add_argument(
         "--options",
         default=None,

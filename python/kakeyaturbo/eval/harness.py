@@ -9,6 +9,9 @@ For each passage of ctx + n_eval + 1 tokens:
    - in-forward mode: the prefill runs again through a cache whose `update` compresses each
      layer's K/V before attention uses them, so every layer sees hidden states computed from the
      reconstructed K/V of the layers before it (errors compound with depth);
+   - in-forward-hot mode: in-forward, but each query of the prefill reads its newest
+     `hot_window.HOT_WINDOW` tokens exact, as tokens generated through `KakeyaCache` read its
+     hot window (`eval/hot_window.py`);
 3. teacher-force the next `n_eval` tokens on top of it (their own K/V are not compressed) and
    score the predictions of tokens ctx+1 .. ctx+n_eval against the uncompressed run.
 
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kakeyaturbo.eval import hot_window
 from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
@@ -42,7 +46,7 @@ __all__ = [
     "prepare_reference",
 ]
 
-MODES = ("snapshot", "in-forward")
+MODES = ("snapshot", "in-forward", "in-forward-hot")
 
 
 def _add(a: ByteCount, b: ByteCount) -> None:
@@ -114,6 +118,7 @@ class CompressingCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.active and not _sliding(self, layer_idx):
+            hot_window.stash(layer_idx, key_states, value_states)
             key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
             value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
             if self.rows is None:
@@ -229,9 +234,15 @@ def _held_sliding_bytes(cache, rows: list[ByteCount]) -> None:
                 _add(row, {"full_precision": 2 * n})
 
 
-def _run_in_forward(model, method: Method, batch: Batch) -> tuple[torch.Tensor, list[ByteCount]]:
+def _run_in_forward(
+    model, method: Method, batch: Batch, hot: bool = False
+) -> tuple[torch.Tensor, list[ByteCount]]:
     cache = CompressingCache(method, model.config, _rope(model, method))
-    _prefill(model, batch.prefix, cache)
+    if hot:
+        with hot_window.exact_window(model):
+            _prefill(model, batch.prefix, cache)
+    else:
+        _prefill(model, batch.prefix, cache)
     cache.active = False
     rows = cache.rows or [{} for _ in batch.passages]
     _held_sliding_bytes(cache, rows)
@@ -277,7 +288,7 @@ def evaluate_method(
             reason = reason or "transformers' QuantizedCache runs as shipped, in snapshot mode only"
         elif not method.options.is_default():
             reason = reason or "transformers' QuantizedCache takes none of the shared options"
-    elif mode == "in-forward" and not method.supports_in_forward:
+    elif mode != "snapshot" and not method.supports_in_forward:
         reason = f"{method.name} does not run in-forward"
     if reason:
         if progress is not None:
@@ -295,7 +306,7 @@ def evaluate_method(
         elif mode == "snapshot":
             logits, rows = _run_snapshot(model, method, batch)
         else:
-            logits, rows = _run_in_forward(model, method, batch)
+            logits, rows = _run_in_forward(model, method, batch, hot=mode == "in-forward-hot")
         scores.extend(passage_scores(batch.logits, logits, batch.targets))
         byte_rows.extend(rows)
         bf16.extend([_bf16_bytes(batch.cache)] * len(batch.passages))
