@@ -252,8 +252,8 @@ class Pipeline:
             encs,
             streams,
             _np(queries.reshape(streams, g, -1)),
-            None if frames is None else _np(frames),
-            None if rotation is None else _np(rotation),
+            _np_or_none(frames),
+            _np_or_none(rotation),
             self._norm_codes(blocks, "k"),
         )
         return torch.from_numpy(logits).view(rows, h, g, -1)
@@ -309,12 +309,12 @@ class Pipeline:
             _np(ek.reshape(streams, -1, d)),
             _np(ev.reshape(streams, -1, d)),
             scaling,
-            key_frames=None if key_frames is None else _np(key_frames),
-            rotation=None if rotation is None else _np(rotation),
+            key_frames=_np_or_none(key_frames),
+            rotation=_np_or_none(rotation),
             key_norms=self._norm_codes(kb, "k"),
-            value_frames=None if value_frames is None else _np(value_frames),
+            value_frames=_np_or_none(value_frames),
             value_norms=self._norm_codes(vb, "v"),
-            bias=None if bias is None else _np(bias),
+            bias=_np_or_none(bias),
             softcap=softcap,
         )
         return torch.from_numpy(out).view(rows, h, g, d)
@@ -449,6 +449,11 @@ def _stream_major(blocks: Sequence[CodedBlock]) -> tuple[list, int]:
 def _np(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous float32 numpy view of a CPU tensor (a copy only where it must)."""
     return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _np_or_none(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    """:func:`_np` of an optional tensor."""
+    return None if t is None else _np(t)
 
 
 def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:

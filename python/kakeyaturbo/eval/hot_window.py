@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kakeyaturbo.hf.cache import DEFAULT_RESIDUAL_LENGTH
+from kakeyaturbo.hf.coded_attention import mask_bias
 
 __all__ = ["HOT_WINDOW", "NAME", "exact_window", "stash"]
 
@@ -99,15 +100,8 @@ def hot_window_attention(
     rows = torch.arange(t - tq, t, device=query.device)[:, None]
     near = (rows - torch.arange(t, device=query.device)[None, :]) < HOT_WINDOW
     exact_and_coded = (key, k_exact, value, v_exact)
-    if attention_mask is None:  # causal over the slots
-        ok = torch.ones(tq, t, dtype=torch.bool, device=query.device).tril(t - tq)
-        bias = torch.zeros(ok.shape, device=query.device).masked_fill_(~ok, float("-inf"))
-    elif attention_mask.dtype == torch.bool:
-        bias = torch.zeros(attention_mask.shape, device=query.device)
-        bias = bias.masked_fill_(~attention_mask, float("-inf"))[..., :t]
-    else:
-        bias = attention_mask[..., :t].float()
-    bias = bias.expand(b, *bias.shape[-3:]) if bias.dim() == 4 else bias.expand(b, 1, tq, t)
+    bias = mask_bias(attention_mask, tq, t, query.device)[..., :t]
+    bias = bias.expand(b, *bias.shape[1:])
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     for r in range(b):  # one row at a time: [Hq, Tq, T] scores per row
         q = query[r].float()

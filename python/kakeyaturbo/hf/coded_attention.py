@@ -232,12 +232,9 @@ class CodedView:
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:
         # Layers of a forward share the mask and the sinks' slots: the bias is built once and
         # reused while its inputs match.
-        inputs = () if mask is None else (mask,)
-        if self.sinks is not None:
-            inputs += (self.sinks, self.layer._sink_idx)
         return self._shared(
             ("bias", mask is None, b, tq, exact, self.coded_length),
-            inputs,
+            self._bias_inputs(mask),
             lambda: self._bias(mask, b, tq, exact, dev),
         )
 
@@ -258,12 +255,18 @@ class CodedView:
             grouped = grouped.expand(-1, -1, g, -1, -1)
             return grouped.reshape(grouped.shape[0], mh, g * tq, -1)
 
+        return self._shared(
+            ("kernel bias", mask is None, dims, exact, self.coded_length),
+            self._bias_inputs(mask),
+            make,
+        )
+
+    def _bias_inputs(self, mask: Any) -> tuple:
+        """The tensors a forward's bias is built from: the mask and the sinks' slots."""
         inputs = () if mask is None else (mask,)
         if self.sinks is not None:
             inputs += (self.sinks, self.layer._sink_idx)
-        return self._shared(
-            ("kernel bias", mask is None, dims, exact, self.coded_length), inputs, make
-        )
+        return inputs
 
     def _shared(self, key: tuple, tensors: tuple, make) -> Any:
         """``make()``, computed once per forward for equal ``key`` and equal ``tensors``."""
@@ -283,15 +286,7 @@ class CodedView:
         slots masked out, the exact sinks given their own slots' columns."""
         clen, s_held = self.coded_length, 0 if self.sinks is None else self.sinks.shape[1]
         total = clen + exact - s_held  # the cache slots this forward's mask covers
-        if mask is None:
-            # Causal over the slots (transformers passes None only where that is all it needs).
-            ok = torch.ones(tq, total, dtype=torch.bool, device=dev).tril(total - tq)
-            mask = ok[None, None]
-        if mask.dtype == torch.bool:
-            bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
-            bias.masked_fill_(~mask.to(dev), float("-inf"))
-        else:
-            bias = mask.to(device=dev, dtype=torch.float32)
+        bias = mask_bias(mask, tq, total, dev)
         if bias.shape[-1] != total:
             raise ValueError(
                 f"layer {self.layer.layer_idx}: attention mask covers {bias.shape[-1]} keys, "
@@ -308,6 +303,19 @@ class CodedView:
         gather = idx.clamp(max=total - 1)[:, None, None, :].expand(*bias.shape[:3], -1)
         sinks = bias.gather(-1, gather).masked_fill(~held[:, None, None, :], float("-inf"))
         return torch.cat((coded, sinks, bias[..., clen:]), dim=-1)
+
+
+def mask_bias(mask: torch.Tensor | None, tq: int, total: int, dev) -> torch.Tensor:
+    """An attention mask (bool: True attends; or additive; None: causal over ``total`` slots,
+    which is all transformers passes None for) as an additive float32 bias on ``dev``:
+    ``[B or 1, 1 or Hq, Tq, slots]``."""
+    if mask is None:
+        ok = torch.ones(tq, total, dtype=torch.bool, device=dev).tril(total - tq)
+        mask = ok[None, None]
+    if mask.dtype != torch.bool:
+        return mask.to(device=dev, dtype=torch.float32)
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
+    return bias.masked_fill_(~mask.to(dev), float("-inf"))
 
 
 def _grouped_heads(mask_heads: int, h: int, g: int) -> tuple[int, int]:

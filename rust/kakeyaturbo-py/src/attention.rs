@@ -120,6 +120,11 @@ fn norms_arg<'py>(obj: Option<&Bound<'py, PyAny>>, arg: &str) -> PyResult<Option
     obj.map(|o| NormsIn::extract(o, arg)).transpose()
 }
 
+/// [`NormsIn::view`] of an optional argument.
+fn norms_view<'a>(n: &'a Option<NormsIn<'_>>) -> PyResult<Option<Norms<'a>>> {
+    n.as_ref().map(|n| n.view()).transpose()
+}
+
 /// A 3-D array's values and its leading dim (frames and their heads, bias and its rows).
 fn with_lead<'a>(
     a: &'a Option<PyReadonlyArray<'_, f32, numpy::Ix3>>,
@@ -162,7 +167,7 @@ pub fn coded_key_logits<'py>(
     let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
     let norms = norms_arg(norms, "norms")?;
     let (qs, fs, rot) = (q.as_slice()?, with_lead(&frames)?, rope_angles(&rotation)?);
-    let ns = norms.as_ref().map(|n| n.view()).transpose()?;
+    let ns = norms_view(&norms)?;
     let t_n = coded.tokens();
     let out = py
         .detach(|| core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g))
@@ -188,7 +193,7 @@ pub fn coded_value_sums<'py>(
     let w = f32_array::<numpy::Ix3>(weights, "weights")?;
     let g = w.shape()[1];
     let norms = norms_arg(norms, "norms")?;
-    let (ws, ns) = (w.as_slice()?, norms.as_ref().map(|n| n.view()).transpose()?);
+    let (ws, ns) = (w.as_slice()?, norms_view(&norms)?);
     let d = coded.head_dim();
     let out = py
         .detach(|| core::value_sums(&coded, ws, ns.as_ref(), g))
@@ -249,9 +254,9 @@ pub fn coded_attend<'py>(
         rows,
         key_frames: with_lead(&kf)?,
         rotation: rope_angles(&rotation)?,
-        key_norms: kn.as_ref().map(|n| n.view()).transpose()?,
+        key_norms: norms_view(&kn)?,
         value_frames: with_lead(&vf)?,
-        value_norms: vn.as_ref().map(|n| n.view()).transpose()?,
+        value_norms: norms_view(&vn)?,
         exact_keys: ek.as_slice()?,
         exact_values: ev.as_slice()?,
         bias: with_lead(&bias)?,

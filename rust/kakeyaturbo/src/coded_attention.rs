@@ -281,6 +281,14 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// `y += a x`.
+#[inline(always)]
+fn axpy<const FMA: bool>(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = madd::<FMA>(a, x, *y);
+    }
+}
+
 /// `a . b`. The baseline build sums 8 independent lanes (the compiler vectorises that only
 /// two lanes wide: a float reduction is not reassociated), the FMA build is written with AVX
 /// intrinsics.
@@ -396,9 +404,7 @@ impl BlockFrame {
         }
         let mut fixed = vec![0.0f32; d];
         for j in (0..d).filter(|&j| !varies[j] && first[j] != 0.0) {
-            for (f, &mj) in fixed.iter_mut().zip(&m[j * d..][..d]) {
-                *f = madd::<FMA>(first[j], mj, *f);
-            }
+            axpy::<FMA>(first[j], &m[j * d..][..d], &mut fixed);
         }
         Self {
             varying,
@@ -481,10 +487,7 @@ fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
             let wt = w[j * t_n + t0 + t] * scale;
             // Masked tokens (weight 0) add nothing; skipping them is exact.
             if wt != 0.0 {
-                let acc = &mut out[j * d..][..d];
-                for (a, &v) in acc.iter_mut().zip(yt) {
-                    *a = madd::<FMA>(wt, v, *a);
-                }
+                axpy::<FMA>(wt, yt, &mut out[j * d..][..d]);
             }
         }
     }

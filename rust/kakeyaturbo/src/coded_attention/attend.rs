@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::{
-    check_frames, check_len, dot, frame_of, key_logits, madd, times_frame, value_sums,
+    axpy, check_frames, check_len, dot, frame_of, key_logits, times_frame, value_sums,
     with_avx_fma, CodedStreams, Norms, RopeAngles,
 };
 use crate::error::{Error, Result};
@@ -245,9 +245,7 @@ fn outputs<const FMA: bool>(a: Outputs<'_>, out: &mut [f32]) {
         }
         for (&p, v) in a.p[j * e_n..][..e_n].iter().zip(a.values.chunks_exact(d)) {
             if p != 0.0 {
-                o.iter_mut()
-                    .zip(v)
-                    .for_each(|(o, &v)| *o = madd::<FMA>(p, v, *o));
+                axpy::<FMA>(p, v, o);
             }
         }
     }
