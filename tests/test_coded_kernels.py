@@ -6,6 +6,8 @@ they refuse what they cannot read with an exception naming the argument."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,30 @@ def test_whole_attention_refuses_bad_inputs_by_name():
         call(value_norms=(codes, hostile))
     with pytest.raises(ValueError, match="value_encs: .*equal blocks"):
         coded_attend(encs, encs[:-1] + encs[:1], s, q, ex, ex, 1.0)
+
+
+def test_callers_on_several_threads_get_what_one_caller_gets():
+    """Every calling thread runs the kernels on a rayon pool of its own, the caller one of its
+    workers (``rust/kakeyaturbo-py/src/workers.rs``): callers at once, and threads that end
+    and drop their pool, must neither hang nor change a bit of the results."""
+    kencs, _ = coded_stream_major(11)
+    vencs, _ = coded_stream_major(12)
+    s, g = ROWS * HEADS, torch.Generator().manual_seed(13)
+    q = torch.randn(s, G, D, generator=g).numpy()
+    ex = torch.randn(s, 5, D, generator=g).numpy()
+
+    def work(_=None):
+        return (
+            coded_attend(kencs, vencs, s, q, ex, ex, 0.125),
+            coded_key_logits(kencs, s, q),
+            kt.decode_batch(kencs[:: len(LENS)]),  # every stream's first block
+        )
+
+    want = work()
+    for _ in range(2):  # the second executor's threads are new: the first ones' pools are gone
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for got in pool.map(work, range(12)):
+                for a, b in zip(got, want):
+                    np.testing.assert_array_equal(a, b)
+    for a, b in zip(work(), want):
+        np.testing.assert_array_equal(a, b)

@@ -64,11 +64,12 @@ class CodedView:
         (all ``S`` of them; :meth:`attend` masks those that are not in a block), hot window,
         new tokens."""
         lay = self.layer
-        ks, vs = [lay._hot_k.to(k.dtype), k], [lay._hot_v.to(v.dtype), v]
+        ks, vs = [lay._hot_k, k], [lay._hot_v, v]
         if self.sinks is not None:
-            ks.insert(0, lay._sink_k.transpose(1, 2).to(k.dtype))
-            vs.insert(0, lay._sink_v.transpose(1, 2).to(v.dtype))
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+            ks.insert(0, lay._sink_k.transpose(1, 2))
+            vs.insert(0, lay._sink_v.transpose(1, 2))
+        # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
+        return torch.cat(ks, dim=-2).to(k.dtype), torch.cat(vs, dim=-2).to(v.dtype)
 
     def attend(
         self,
@@ -221,12 +222,12 @@ class CodedView:
         same token positions: computed once per forward and RoPE. The blocks' stored positions
         (a row's first one, or all) tell equal position sets apart without expanding them."""
         rope, blocks = self.layer._rope, self.blocks
-        stored = torch.cat([blk.pos for blk in blocks], dim=-1)
         make = rope.rotation if form == "complex" else rope.split_rotation
+        dev = blocks[0].pos.device
         return self._shared(
-            ("rotation", form, tuple(blk.pos.shape[-1] for blk in blocks)),
-            (rope.inv_freq, stored),
-            lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), stored.device),
+            ("rotation", form, tuple((blk.pos.shape, blk.pos_key) for blk in blocks)),
+            (rope.inv_freq,),
+            lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
         )
 
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:

@@ -82,15 +82,23 @@ class _Block:
     # per token), else [B, block_size].
     pos: Any
     decoded: Any = None  # (K, V) [B, H, bs, D] held under the decoded budget, or None
+    # `pos` as bytes (b"" without): layers of a forward compare their blocks' positions by
+    # these, without a tensor op per layer (CodedView._rotation). Set with `pos` by `place`.
+    pos_key: bytes = b""
 
     @classmethod
     def holding(cls, k: CodedBlock, v: CodedBlock, positions: torch.Tensor | None) -> _Block:
-        pos = positions
+        blk = cls(k=k, v=v, pos=None)
         if positions is not None:
             first = positions[:, :1]
             run = torch.arange(positions.shape[-1], dtype=positions.dtype, device=positions.device)
-            pos = first.clone() if torch.equal(positions, first + run) else positions.clone()
-        return cls(k=k, v=v, pos=pos)
+            blk.place(first if torch.equal(positions, first + run) else positions)
+        return blk
+
+    def place(self, pos: torch.Tensor) -> None:
+        """Holds (a copy of) ``pos`` as the block's stored positions."""
+        self.pos = pos.clone()
+        self.pos_key = self.pos.cpu().numpy().tobytes()
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -149,6 +157,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._hot_pos: Any = None  # [B, T_hot] int32, pre-RoPE mode only
         self._blocks: list[_Block] = []
         self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
+        self._sink_end = 0  # past the last sink slot (rows selected later may end sooner)
         self._sink_k: Any = None  # [B, S, H, D] exact sink keys/values
         self._sink_v: Any = None
         self._len = 0
@@ -396,11 +405,14 @@ class KakeyaLayer(CacheLayerMixin):
                 pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
                 idx[r] = start + torch.cat([real, pad_after])
         self._sink_idx = idx.to(self.device)
+        self._sink_end = int(idx.max()) + 1
         h = self._heads
         self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
         self._sink_v = self._hot_v.new_zeros((b, s, h, self._hot_v.shape[-1]))
 
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        if start >= self._sink_end:  # every sink slot is written (a decode step's case)
+            return
         sel = (self._sink_idx >= start) & (self._sink_idx < start + k.shape[-2])
         if bool(sel.any()):
             rows, slots = sel.nonzero(as_tuple=True)
@@ -628,7 +640,7 @@ class KakeyaLayer(CacheLayerMixin):
             blk.k = blk.k.select_rows(order, h)
             blk.v = blk.v.select_rows(order, h)
             if blk.pos is not None:
-                blk.pos = blk.pos.index_select(0, rows_dev)
+                blk.place(blk.pos.index_select(0, rows_dev))
             if blk.decoded is not None:
                 old = blk.decoded
                 self._drop_decoded(blk)

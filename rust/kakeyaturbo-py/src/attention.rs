@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in, type_error};
+use crate::workers;
 
 /// A float32 array of `D` dims, C-contiguous, or a TypeError naming `arg`.
 fn f32_array<'py, D: Dimension>(
@@ -169,9 +170,10 @@ pub fn coded_key_logits<'py>(
     let (qs, fs, rot) = (q.as_slice()?, with_lead(&frames)?, rope_angles(&rotation)?);
     let ns = norms_view(&norms)?;
     let t_n = coded.tokens();
-    let out = py
-        .detach(|| core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g))
-        .map_err(to_py)?;
+    let out = workers::detach(py, || {
+        core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g)
+    })
+    .map_err(to_py)?;
     output(py, out, [streams, g, t_n])
 }
 
@@ -195,9 +197,8 @@ pub fn coded_value_sums<'py>(
     let norms = norms_arg(norms, "norms")?;
     let (ws, ns) = (w.as_slice()?, norms_view(&norms)?);
     let d = coded.head_dim();
-    let out = py
-        .detach(|| core::value_sums(&coded, ws, ns.as_ref(), g))
-        .map_err(to_py)?;
+    let out =
+        workers::detach(py, || core::value_sums(&coded, ws, ns.as_ref(), g)).map_err(to_py)?;
     output(py, out, [streams, g, d])
 }
 
@@ -264,8 +265,6 @@ pub fn coded_attend<'py>(
         softcap,
     };
     let d = keys.head_dim();
-    let out = py
-        .detach(|| core::attend(&keys, &values, &a))
-        .map_err(to_py)?;
+    let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;
     output(py, out, [streams, rows, d])
 }

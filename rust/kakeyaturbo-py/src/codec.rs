@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use crate::arrays::ArrayIn;
 use crate::errors::{to_py, to_py_in, type_error};
 use crate::params::PyCodecParams;
+use crate::workers;
 
 /// One encoded `[tokens, head_dim]` stream: exactly its wire bytes in memory.
 #[pyclass(name = "EncodedLayer", module = "kakeyaturbo._core", frozen)]
@@ -219,9 +220,10 @@ pub fn encode_layer(
     let w = weights_slice(&weights, n)?;
     let p = &params.inner;
     let ext = basis.as_ref().map(|b| &b.get().inner);
-    let inner = py
-        .detach(|| core::encode_layer_with(&v.data, n, d, w, p, v.dtype, ext))
-        .map_err(to_py)?;
+    let inner = workers::detach(py, || {
+        core::encode_layer_with(&v.data, n, d, w, p, v.dtype, ext)
+    })
+    .map_err(to_py)?;
     Ok(PyEncodedLayer { inner })
 }
 
@@ -244,17 +246,16 @@ pub fn encode_batch(
     let data: &[f32] = &v.data;
     let dtype = v.dtype;
     let ext = bases_for(&bases, s)?;
-    let layers = py
-        .detach(|| {
-            (0..s)
-                .into_par_iter()
-                .map(|i| {
-                    let xi = &data[i * n * d..(i + 1) * n * d];
-                    core::encode_layer_with(xi, n, d, None, p, dtype, ext[i]).map_err(|e| (i, e))
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .map_err(|(i, e)| to_py_in(&format!("x: stream {i}"), e))?;
+    let layers = workers::detach(py, || {
+        (0..s)
+            .into_par_iter()
+            .map(|i| {
+                let xi = &data[i * n * d..(i + 1) * n * d];
+                core::encode_layer_with(xi, n, d, None, p, dtype, ext[i]).map_err(|e| (i, e))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(|(i, e)| to_py_in(&format!("x: stream {i}"), e))?;
     Ok(layers
         .into_iter()
         .map(|inner| PyEncodedLayer { inner })
@@ -271,9 +272,7 @@ pub fn decode_layer<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let (n, d) = enc.inner.shape();
     let ext = basis.as_ref().map(|b| &b.get().inner);
-    let out = py
-        .detach(|| core::decode_layer_with(&enc.inner, ext))
-        .map_err(to_py)?;
+    let out = workers::detach(py, || core::decode_layer_with(&enc.inner, ext)).map_err(to_py)?;
     Ok(PyArray1::from_vec(py, out).reshape([n, d])?.into_any())
 }
 
@@ -302,18 +301,17 @@ pub fn decode_batch<'py>(
     // Each layer met the decode limit on its own; the batch must meet it in total before
     // its output is allocated.
     core::check_batch_decode(&refs).map_err(|e| to_py_in("encs", e))?;
-    let out = py
-        .detach(|| -> Result<Vec<f32>, (usize, kakeyaturbo::Error)> {
-            let mut out = vec![0.0f32; s * n * d];
-            out.par_chunks_mut(n * d)
-                .zip(refs.par_iter().zip(ext.par_iter()))
-                .enumerate()
-                .try_for_each(|(i, (chunk, (e, b)))| {
-                    core::decode_layer_into(e, *b, chunk).map_err(|err| (i, err))
-                })?;
-            Ok(out)
-        })
-        .map_err(|(i, e)| to_py_in(&format!("encs[{i}]"), e))?;
+    let out = workers::detach(py, || -> Result<Vec<f32>, (usize, kakeyaturbo::Error)> {
+        let mut out = vec![0.0f32; s * n * d];
+        out.par_chunks_mut(n * d)
+            .zip(refs.par_iter().zip(ext.par_iter()))
+            .enumerate()
+            .try_for_each(|(i, (chunk, (e, b)))| {
+                core::decode_layer_into(e, *b, chunk).map_err(|err| (i, err))
+            })?;
+        Ok(out)
+    })
+    .map_err(|(i, e)| to_py_in(&format!("encs[{i}]"), e))?;
     Ok(PyArray1::from_vec(py, out).reshape([s, n, d])?.into_any())
 }
 

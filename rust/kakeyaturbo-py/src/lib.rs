@@ -6,6 +6,7 @@ mod attention;
 mod codec;
 mod errors;
 mod params;
+mod workers;
 
 use pyo3::prelude::*;
 
