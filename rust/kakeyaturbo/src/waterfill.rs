@@ -26,6 +26,8 @@ use crate::outliers;
 use crate::params::{CodecParams, MAX_MAGNITUDE};
 
 mod decode;
+#[cfg(target_arch = "x86_64")]
+mod gather;
 
 pub use decode::{decode_into, WaterfillCodes};
 

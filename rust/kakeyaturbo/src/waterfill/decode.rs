@@ -21,12 +21,18 @@
 //! is a copy of a per-component value `m_j + Q^-1(q) s_j g`, computed exactly as the
 //! direct formula does, so the output is bit-identical to it.
 //!
+//! On a CPU with AVX2 the program decodes only blocks too short for the gather decoder
+//! (`gather.rs`, eight vectors per component at once, which decodes the same values bit for
+//! bit); the last few vectors past its reach are decoded one code at a time.
+//!
 //! Nothing here trusts the block: the tables cover every code a width can hold, the
 //! stream's length is checked against `n P`, a peek past its end reads zeros, and each
 //! component's values and each outlier are checked finite before use.
 
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+use super::gather;
 use super::{book, ip_gain, MAX_COMPONENT_BITS};
 use crate::bitpack::peek_u64;
 use crate::error::{Error, Result};
@@ -245,8 +251,55 @@ pub fn decode_into(
         Some(m) => m[j] + c,
         None => c,
     };
-    // Per component, its output for each code: `m_j + l s_j g` (`m_j + 0` without bits).
-    let mut offsets = Vec::with_capacity(d_eff);
+    let (values, offsets) = component_values(b, metric, fold)?;
+    let per_vector: usize = b.comp_bits.iter().map(|&v| v as usize).sum();
+    if n.checked_mul(per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
+        return Err(Error::Format(
+            "water-filled code stream has the wrong length".into(),
+        ));
+    }
+    let first = gather_rows(b, (n, per_vector), &values, &offsets, out);
+    if first == 0 {
+        let joint = if n >= JOINT_MIN_VECTORS {
+            JOINT_BITS
+        } else {
+            0
+        };
+        let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
+        prog.run_rows(b.codes, n, d_eff, out)?;
+    } else {
+        // The few vectors past the gather decoder's reach: a table build would cost more.
+        let rows = out[first * d_eff..].chunks_exact_mut(d_eff);
+        for (i, row) in (first..n).zip(rows) {
+            let mut bit = i * per_vector;
+            for ((v, &w), &off) in row.iter_mut().zip(&b.comp_bits).zip(&offsets) {
+                let code = peek_u64(b.codes, bit >> 3) >> (bit & 7);
+                *v = values[off + (code as usize & ((1 << w) - 1))];
+                bit += w as usize;
+            }
+        }
+    }
+    for &(pos, val) in &b.outliers {
+        let (pos, j) = (pos as usize, pos as usize % d_eff);
+        let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
+        match out.get_mut(pos) {
+            Some(o) if v.is_finite() => *o = v,
+            Some(_) => return Err(not_finite()),
+            None => return Err(Error::Format("outlier position out of range".into())),
+        }
+    }
+    Ok(())
+}
+
+/// Per component, its output for each code, `fold(j, l s_j g)` (`fold(j, 0)` without bits),
+/// all in one array, and where each component's values start in it. Fails on a value that is
+/// not finite.
+fn component_values(
+    b: &WaterfillCodes<'_>,
+    metric: Metric,
+    fold: impl Fn(usize, f32) -> f32,
+) -> Result<(Vec<f32>, Vec<usize>)> {
+    let mut offsets = Vec::with_capacity(b.comp_bits.len());
     let mut values = Vec::new();
     for (j, (&bits, s)) in b.comp_bits.iter().zip(&b.sigma).enumerate() {
         offsets.push(values.len());
@@ -260,28 +313,36 @@ pub fn decode_into(
     if values.iter().any(|v| !v.is_finite()) {
         return Err(not_finite());
     }
-    let joint = if n >= JOINT_MIN_VECTORS {
-        JOINT_BITS
-    } else {
-        0
-    };
-    let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
-    if n.checked_mul(prog.per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
-        return Err(Error::Format(
-            "water-filled code stream has the wrong length".into(),
-        ));
-    }
-    prog.run_rows(b.codes, n, d_eff, out)?;
-    for &(pos, val) in &b.outliers {
-        let (pos, j) = (pos as usize, pos as usize % d_eff);
-        let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
-        match out.get_mut(pos) {
-            Some(o) if v.is_finite() => *o = v,
-            Some(_) => return Err(not_finite()),
-            None => return Err(Error::Format("outlier position out of range".into())),
+    Ok((values, offsets))
+}
+
+/// Decodes the leading vectors of the block (`(n, per_vector)`: its vectors and the bits of
+/// each) with the AVX2 gather decoder (`gather.rs`) where this CPU has AVX2, and returns how
+/// many (a multiple of 8; 0 elsewhere).
+fn gather_rows(
+    b: &WaterfillCodes<'_>,
+    (n, per_vector): (usize, usize),
+    values: &[f32],
+    offsets: &[usize],
+    out: &mut [f32],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        if let Some(plan) = gather::Plan::new(&b.comp_bits, values, offsets, n, per_vector) {
+            let m = plan.vectors_within(b.codes.len(), n);
+            if m > 0 {
+                #[allow(unsafe_code)]
+                // SAFETY: AVX2 was just found; `m` is from `vectors_within` on these codes,
+                // `out` holds `n x d` values and `values` built the plan.
+                unsafe {
+                    plan.rows(b.codes, values, m, out)
+                };
+            }
+            return m;
         }
     }
-    Ok(())
+    let _ = (b, n, per_vector, values, offsets, out);
+    0
 }
 
 /// The decoding gain of a `bits`-bit component under `metric`.
@@ -376,6 +437,63 @@ mod tests {
             let want = reference(&body, n, d, metric, mean);
             let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
             prop_assert!(same, "{:?}\nvs\n{:?}", out, want);
+        }
+    }
+
+    /// A recipe-sized block (256 vectors of 64 components, every width 0..=8, outliers): the
+    /// AVX2 gather decoder, where this CPU has it, decodes all but its last vectors, and the
+    /// block decodes bit for bit as the direct formula says.
+    #[test]
+    fn gather_decoder_matches_the_direct_formula() {
+        let (n, d) = (256, 64);
+        let mut g = crate::rng::SplitMix64::new(11, 2);
+        let bits: Vec<u8> = (0..d)
+            .map(|j| [8, 0, 7, 6, 5, 4, 4, 3, 2, 3, 1, 0, 2, 1, 0, 2][j % 16])
+            .collect();
+        let sigma: Vec<f16> = (0..d)
+            .map(|_| f16::from_f64(g.normal().abs() * 3.0))
+            .collect();
+        let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32).collect();
+        let mut w = BitWriter::new();
+        for _ in 0..n {
+            for &b in &bits {
+                w.put((g.below(1 << b)) as u16, b as u32);
+            }
+        }
+        let codes = w.finish();
+        let mut outliers = Vec::new();
+        for pos in 0..n * d {
+            if g.below(50) == 0 {
+                outliers.push((pos as u32, f16::from_f64(g.normal() * 8.0)));
+            }
+        }
+        let body = WaterfillCodes {
+            sigma,
+            comp_bits: bits,
+            codes: &codes,
+            outliers,
+        };
+        let want = reference(&body, n, d, Metric::Mse, Some(&mean));
+        let mut out = vec![f32::NAN; n * d];
+        decode_into(&body, n, d, Metric::Mse, Some(&mean), &mut out).unwrap();
+        assert!(out
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+
+        let (values, offsets) = component_values(&body, Metric::Mse, |j, c| mean[j] + c).unwrap();
+        let per_vector = body.comp_bits.iter().map(|&b| b as usize).sum();
+        let mut rows = vec![f32::NAN; n * d];
+        let m = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            assert!(m >= n - 8, "the gather decoder took {m} of {n} vectors");
+        }
+        // Its rows, before outliers: the direct formula's wherever no outlier sits.
+        let hit: std::collections::HashSet<usize> =
+            body.outliers.iter().map(|&(p, _)| p as usize).collect();
+        for i in (0..m * d).filter(|i| !hit.contains(i)) {
+            assert_eq!(rows[i].to_bits(), want[i].to_bits(), "value {i}");
         }
     }
 
