@@ -399,6 +399,29 @@ mod tests {
         c
     }
 
+    /// Random codes of `n` vectors of widths `bits`, packed, and an outlier at about one
+    /// position in `every`.
+    fn random_codes(
+        g: &mut crate::rng::SplitMix64,
+        bits: &[u8],
+        n: usize,
+        every: usize,
+    ) -> (Vec<u8>, Vec<(u32, f16)>) {
+        let mut w = BitWriter::new();
+        for _ in 0..n {
+            for &b in bits {
+                w.put((g.below(1 << b)) as u16, b as u32);
+            }
+        }
+        let mut outliers = Vec::new();
+        for pos in 0..n * bits.len() {
+            if g.below(every) == 0 {
+                outliers.push((pos as u32, f16::from_f64(g.normal() * 8.0)));
+            }
+        }
+        (w.finish(), outliers)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Random widths (0..=8, runs of zeros included), scales, codes, outliers, both
@@ -416,19 +439,7 @@ mod tests {
             let mut g = crate::rng::SplitMix64::new(seed, 1);
             let sigma: Vec<f16> = (0..d).map(|_| f16::from_f64(g.normal().abs() * 3.0)).collect();
             let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32 * 10.0).collect();
-            let mut w = BitWriter::new();
-            for _ in 0..n {
-                for &b in &bits {
-                    w.put((g.below(1 << b)) as u16, b as u32);
-                }
-            }
-            let codes = w.finish();
-            let mut outliers = Vec::new();
-            for pos in 0..n * d {
-                if g.below(20) == 0 {
-                    outliers.push((pos as u32, f16::from_f64(g.normal() * 8.0)));
-                }
-            }
+            let (codes, outliers) = random_codes(&mut g, &bits, n, 20);
             let body = WaterfillCodes { sigma, comp_bits: bits, codes: &codes, outliers };
             let metric = if ip { Metric::InnerProduct } else { Metric::Mse };
             let mean = with_mean.then_some(&mean[..]);
@@ -454,19 +465,7 @@ mod tests {
             .map(|_| f16::from_f64(g.normal().abs() * 3.0))
             .collect();
         let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32).collect();
-        let mut w = BitWriter::new();
-        for _ in 0..n {
-            for &b in &bits {
-                w.put((g.below(1 << b)) as u16, b as u32);
-            }
-        }
-        let codes = w.finish();
-        let mut outliers = Vec::new();
-        for pos in 0..n * d {
-            if g.below(50) == 0 {
-                outliers.push((pos as u32, f16::from_f64(g.normal() * 8.0)));
-            }
-        }
+        let (codes, outliers) = random_codes(&mut g, &bits, n, 50);
         let body = WaterfillCodes {
             sigma,
             comp_bits: bits,
