@@ -317,22 +317,13 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `out[col..col + W] = init[col..col + W] + y . m[:, col..col + W]` (`m` is `len(y) x d`
-/// row-major), the `W` sums in registers across the whole of `y`.
+/// `out[col..col + W] = y . m[:, col..col + W]` (`m` is `len(y) x d` row-major), the `W` sums
+/// in registers across the whole of `y`.
 #[inline(always)]
-fn frame_tile<const W: usize, const FMA: bool>(
-    y: impl Iterator<Item = f32>,
-    m: &[f32],
-    init: Option<&[f32]>,
-    col: usize,
-    out: &mut [f32],
-) {
+fn frame_tile<const W: usize, const FMA: bool>(y: &[f32], m: &[f32], col: usize, out: &mut [f32]) {
     let d = out.len();
     let mut acc = [0.0f32; W];
-    if let Some(init) = init {
-        acc.copy_from_slice(&init[col..col + W]);
-    }
-    for (j, a) in y.enumerate() {
+    for (j, &a) in y.iter().enumerate() {
         let row = &m[j * d + col..][..W];
         for c in 0..W {
             acc[c] = madd::<FMA>(a, row[c], acc[c]);
@@ -341,35 +332,23 @@ fn frame_tile<const W: usize, const FMA: bool>(
     out[col..col + W].copy_from_slice(&acc);
 }
 
-/// `out = init + y M` for one row `y` (`M` is `len(y) x out.len()`, `init` zero when
-/// `None`), in column tiles of 64, 16 and 1.
+/// `out = y M` for one row `y` (`M` is `len(y) x out.len()`), in column tiles of 64, 16 and 1.
 #[inline(always)]
-fn times_rows<const FMA: bool>(
-    y: impl Iterator<Item = f32> + Clone,
-    m: &[f32],
-    init: Option<&[f32]>,
-    out: &mut [f32],
-) {
+fn times_frame<const FMA: bool>(y: &[f32], m: &[f32], out: &mut [f32]) {
     let d = out.len();
     let mut col = 0;
     while col + 64 <= d {
-        frame_tile::<64, FMA>(y.clone(), m, init, col, out);
+        frame_tile::<64, FMA>(y, m, col, out);
         col += 64;
     }
     while col + 16 <= d {
-        frame_tile::<16, FMA>(y.clone(), m, init, col, out);
+        frame_tile::<16, FMA>(y, m, col, out);
         col += 16;
     }
     while col < d {
-        frame_tile::<1, FMA>(y.clone(), m, init, col, out);
+        frame_tile::<1, FMA>(y, m, col, out);
         col += 1;
     }
-}
-
-/// `out = y M` for one row `y` (`M` is `d x d`).
-#[inline(always)]
-fn times_frame<const FMA: bool>(y: &[f32], m: &[f32], out: &mut [f32]) {
-    times_rows::<FMA>(y.iter().copied(), m, None, out);
 }
 
 /// A frame reduced to the coordinates that vary within one decoded block. Water-filling gives
@@ -413,11 +392,131 @@ impl BlockFrame {
         }
     }
 
-    /// `out = y_t M` for one token of the block.
+    /// `out[t] = y_t M` for every token of the block (`y` and `out` are `n x d`), in tiles of
+    /// a few tokens (the last few one by one) by 16 (then 8, then 1) columns whose sums stay
+    /// in registers across the varying rows: a row of `M` is loaded once per tile rather than
+    /// once per token, which bounded the one-token product by loads. Each sum adds the same
+    /// terms in the same order as a product token by token.
     #[inline(always)]
-    fn apply<const FMA: bool>(&self, yt: &[f32], out: &mut [f32]) {
-        let y = self.varying.iter().map(|&j| yt[j]);
-        times_rows::<FMA>(y, &self.rows, Some(&self.fixed), out);
+    fn product<const FMA: bool>(&self, y: &[f32], d: usize, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if FMA {
+            return self.tiles::<AVX_TILE_TOKENS, FMA>(y, d, out);
+        }
+        // 4 x 16 in the portable build: wider tiles left the compiler's accumulators in memory.
+        self.tiles::<4, FMA>(y, d, out)
+    }
+
+    /// [`Self::product`] in tiles of `R` tokens.
+    #[inline(always)]
+    fn tiles<const R: usize, const FMA: bool>(&self, y: &[f32], d: usize, out: &mut [f32]) {
+        let tiles = y.chunks_exact(R * d);
+        let rest = tiles.remainder();
+        let (out, out_rest) = out.split_at_mut(y.len() - rest.len());
+        for (ys, out) in tiles.zip(out.chunks_exact_mut(R * d)) {
+            self.tile::<R, FMA>(ys, out);
+        }
+        for (ys, out) in rest.chunks_exact(d).zip(out_rest.chunks_exact_mut(d)) {
+            self.tile::<1, FMA>(ys, out);
+        }
+    }
+
+    /// [`Self::product`] of `R` tokens (`ys` and `out` are `R x d`).
+    #[inline(always)]
+    fn tile<const R: usize, const FMA: bool>(&self, ys: &[f32], out: &mut [f32]) {
+        let d = self.fixed.len();
+        let mut col = 0;
+        while col + 16 <= d {
+            #[cfg(target_arch = "x86_64")]
+            if FMA && R == AVX_TILE_TOKENS {
+                #[allow(unsafe_code)]
+                // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`);
+                // `ys` and `out` are `R x d` and `col + 16 <= d`; `varying` holds coordinates
+                // below `d` and `rows` one row of `d` for each (`BlockFrame::new`).
+                unsafe {
+                    columns_6x16_avx_fma(self, ys, col, out)
+                };
+                col += 16;
+                continue;
+            }
+            self.columns::<R, 16, FMA>(ys, col, out);
+            col += 16;
+        }
+        while col + 8 <= d {
+            self.columns::<R, 8, FMA>(ys, col, out);
+            col += 8;
+        }
+        while col < d {
+            self.columns::<R, 1, FMA>(ys, col, out);
+            col += 1;
+        }
+    }
+
+    /// `out[r, col..col + W] = fixed[col..col + W] + sum_j ys[r, varying[j]] rows[j, col..col + W]`.
+    #[inline(always)]
+    fn columns<const R: usize, const W: usize, const FMA: bool>(
+        &self,
+        ys: &[f32],
+        col: usize,
+        out: &mut [f32],
+    ) {
+        let d = self.fixed.len();
+        let mut acc = [[0.0f32; W]; R];
+        for a in &mut acc {
+            a.copy_from_slice(&self.fixed[col..col + W]);
+        }
+        for (&j, row) in self.varying.iter().zip(self.rows.chunks_exact(d)) {
+            let row = &row[col..col + W];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let p = ys[r * d + j];
+                for c in 0..W {
+                    a[c] = madd::<FMA>(p, row[c], a[c]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            out[r * d + col..][..W].copy_from_slice(a);
+        }
+    }
+}
+
+/// Tokens per tile of [`BlockFrame::product`] in the AVX + FMA build: 6 tokens by 16 columns
+/// are 12 accumulators, with the row's two registers and a broadcast 15 of the 16.
+#[cfg(target_arch = "x86_64")]
+const AVX_TILE_TOKENS: usize = 6;
+
+/// [`BlockFrame::columns`] of 6 tokens by 16 columns, written with AVX intrinsics (the
+/// compiler left a 6 x 16 array of sums in memory).
+///
+/// # Safety
+/// The CPU has AVX and FMA; `ys` and `out` hold at least `6 d` values, `col + 16 <= d`,
+/// every `frame.varying` is below `d` and `frame.rows` holds `varying.len() x d` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma")]
+#[allow(unsafe_code)]
+unsafe fn columns_6x16_avx_fma(frame: &BlockFrame, ys: &[f32], col: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let d = frame.fixed.len();
+    let fixed = &frame.fixed[col..col + 16];
+    let (f0, f1) = unsafe { (_mm256_loadu_ps(&fixed[0]), _mm256_loadu_ps(&fixed[8])) };
+    let mut acc = [[f0, f1]; AVX_TILE_TOKENS];
+    let (y, rows) = (ys.as_ptr(), frame.rows.as_ptr());
+    for (i, &j) in frame.varying.iter().enumerate() {
+        // SAFETY (every load): the caller's bounds on `ys`, `rows`, `varying` and `col`.
+        let row = unsafe { rows.add(i * d + col) };
+        let (m0, m1) = unsafe { (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))) };
+        for (r, a) in acc.iter_mut().enumerate() {
+            let p = unsafe { _mm256_broadcast_ss(&*y.add(r * d + j)) };
+            a[0] = _mm256_fmadd_ps(p, m0, a[0]);
+            a[1] = _mm256_fmadd_ps(p, m1, a[1]);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let o = &mut out[r * d + col..][..16];
+        unsafe {
+            _mm256_storeu_ps(&mut o[0], a[0]);
+            _mm256_storeu_ps(&mut o[8], a[1]);
+        }
     }
 }
 
@@ -456,13 +555,15 @@ type SumArgs<'a> = (
 fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
     let (y, d, m, rot, norms, q, g) = args;
     let n = y.len() / d;
+    let framed = m.map(|m| {
+        let mut keys = vec![0.0f32; n * d];
+        BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, &mut keys);
+        keys
+    });
+    let keys = framed.as_deref().unwrap_or(y);
     let mut k = vec![0.0f32; d];
-    let frame = m.map(|m| BlockFrame::new::<FMA>(y, d, m));
     for (t, yt) in y.chunks_exact(d).enumerate() {
-        match &frame {
-            Some(f) => f.apply::<FMA>(yt, &mut k),
-            None => k.copy_from_slice(yt),
-        }
+        k.copy_from_slice(&keys[t * d..][..d]);
         if let Some((r, pairs)) = rot {
             let (cos, sin) = r[t * 2 * pairs..][..2 * pairs].split_at(pairs);
             let (re, rest) = k.split_at_mut(pairs);
