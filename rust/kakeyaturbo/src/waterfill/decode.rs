@@ -268,7 +268,7 @@ pub fn decode_into(
         let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
         prog.run_rows(b.codes, n, d_eff, out)?;
     } else {
-        // The few vectors past the gather decoder's reach: a table build would cost more.
+        // Vectors the gather decoder left (none today): a table build would cost more.
         let rows = out[first * d_eff..].chunks_exact_mut(d_eff);
         for (i, row) in (first..n).zip(rows) {
             let mut bit = i * per_vector;
@@ -316,9 +316,9 @@ fn component_values(
     Ok((values, offsets))
 }
 
-/// Decodes the leading vectors of the block (`(n, per_vector)`: its vectors and the bits of
-/// each) with the AVX2 gather decoder (`gather.rs`) where this CPU has AVX2, and returns how
-/// many (a multiple of 8; 0 elsewhere).
+/// Decodes the block's vectors (`(n, per_vector)`: its vectors and the bits of each) with the
+/// AVX2 gather decoder (`gather.rs`) where this CPU has AVX2, and returns how many: all of
+/// them, or 0 elsewhere.
 fn gather_rows(
     b: &WaterfillCodes<'_>,
     (n, per_vector): (usize, usize),
@@ -329,6 +329,7 @@ fn gather_rows(
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         if let Some(plan) = gather::Plan::new(&b.comp_bits, values, offsets, n, per_vector) {
+            let d = b.comp_bits.len();
             let m = plan.vectors_within(b.codes.len(), n);
             if m > 0 {
                 #[allow(unsafe_code)]
@@ -337,6 +338,26 @@ fn gather_rows(
                 unsafe {
                     plan.rows(b.codes, values, m, out)
                 };
+            }
+            if m == n {
+                return n;
+            }
+            // The last vectors, whose gathers would read past the stream, from a zero-padded
+            // copy of their codes (vector `m`, a multiple of 8, starts on a byte), whole groups
+            // of 8 into a scratch of rows.
+            let (rest, groups) = (n - m, (n - m).div_ceil(8) * 8);
+            let codes = &b.codes[m * per_vector / 8..];
+            let mut tail = vec![0u8; codes.len().max((groups * per_vector).div_ceil(8) + 4)];
+            tail[..codes.len()].copy_from_slice(codes);
+            if plan.vectors_within(tail.len(), groups) == groups {
+                let mut rows = vec![0.0f32; groups * d];
+                #[allow(unsafe_code)]
+                // SAFETY: as above, on `tail` and `groups` (just checked by `vectors_within`).
+                unsafe {
+                    plan.rows(&tail, values, groups, &mut rows)
+                };
+                out[m * d..].copy_from_slice(&rows[..rest * d]);
+                return n;
             }
             return m;
         }
@@ -452,47 +473,53 @@ mod tests {
     }
 
     /// A recipe-sized block (256 vectors of 64 components, every width 0..=8, outliers): the
-    /// AVX2 gather decoder, where this CPU has it, decodes all but its last vectors, and the
-    /// block decodes bit for bit as the direct formula says.
+    /// AVX2 gather decoder, where this CPU has it, decodes every vector (the last ones from a
+    /// padded copy of their codes), and the block decodes bit for bit as the direct formula
+    /// says.
     #[test]
     fn gather_decoder_matches_the_direct_formula() {
-        let (n, d) = (256, 64);
-        let mut g = crate::rng::SplitMix64::new(11, 2);
-        let bits: Vec<u8> = (0..d)
-            .map(|j| [8, 0, 7, 6, 5, 4, 4, 3, 2, 3, 1, 0, 2, 1, 0, 2][j % 16])
-            .collect();
-        let sigma: Vec<f16> = (0..d)
-            .map(|_| f16::from_f64(g.normal().abs() * 3.0))
-            .collect();
-        let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32).collect();
-        let (codes, outliers) = random_codes(&mut g, &bits, n, 50);
-        let body = WaterfillCodes {
-            sigma,
-            comp_bits: bits,
-            codes: &codes,
-            outliers,
-        };
-        let want = reference(&body, n, d, Metric::Mse, Some(&mean));
-        let mut out = vec![f32::NAN; n * d];
-        decode_into(&body, n, d, Metric::Mse, Some(&mean), &mut out).unwrap();
-        assert!(out
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        // 256: whole groups, the last past the stream's end; 203: a partial last group; 5: no
+        // group within the stream.
+        for (n, seed) in [(256usize, 2u64), (203, 3), (5, 4)] {
+            let d = 64;
+            let mut g = crate::rng::SplitMix64::new(11, seed);
+            let bits: Vec<u8> = (0..d)
+                .map(|j| [8, 0, 7, 6, 5, 4, 4, 3, 2, 3, 1, 0, 2, 1, 0, 2][j % 16])
+                .collect();
+            let sigma: Vec<f16> = (0..d)
+                .map(|_| f16::from_f64(g.normal().abs() * 3.0))
+                .collect();
+            let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32).collect();
+            let (codes, outliers) = random_codes(&mut g, &bits, n, 50);
+            let body = WaterfillCodes {
+                sigma,
+                comp_bits: bits,
+                codes: &codes,
+                outliers,
+            };
+            let want = reference(&body, n, d, Metric::Mse, Some(&mean));
+            let mut out = vec![f32::NAN; n * d];
+            decode_into(&body, n, d, Metric::Mse, Some(&mean), &mut out).unwrap();
+            assert!(out
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
 
-        let (values, offsets) = component_values(&body, Metric::Mse, |j, c| mean[j] + c).unwrap();
-        let per_vector = body.comp_bits.iter().map(|&b| b as usize).sum();
-        let mut rows = vec![f32::NAN; n * d];
-        let m = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") {
-            assert!(m >= n - 8, "the gather decoder took {m} of {n} vectors");
-        }
-        // Its rows, before outliers: the direct formula's wherever no outlier sits.
-        let hit: std::collections::HashSet<usize> =
-            body.outliers.iter().map(|&(p, _)| p as usize).collect();
-        for i in (0..m * d).filter(|i| !hit.contains(i)) {
-            assert_eq!(rows[i].to_bits(), want[i].to_bits(), "value {i}");
+            let (values, offsets) =
+                component_values(&body, Metric::Mse, |j, c| mean[j] + c).unwrap();
+            let per_vector = body.comp_bits.iter().map(|&b| b as usize).sum();
+            let mut rows = vec![f32::NAN; n * d];
+            let m = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") {
+                assert_eq!(m, n, "the gather decoder took {m} of {n} vectors");
+            }
+            // Its rows, before outliers: the direct formula's wherever no outlier sits.
+            let hit: std::collections::HashSet<usize> =
+                body.outliers.iter().map(|&(p, _)| p as usize).collect();
+            for i in (0..m * d).filter(|i| !hit.contains(i)) {
+                assert_eq!(rows[i].to_bits(), want[i].to_bits(), "value {i}");
+            }
         }
     }
 
