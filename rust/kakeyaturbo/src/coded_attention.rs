@@ -550,47 +550,144 @@ type SumArgs<'a> = (
     usize,
 );
 
-/// Logits of one decoded block: `out` is `[g, n]`.
+/// Logits of one decoded block: `out` is `[g, n]`. The keys of the whole block are made first
+/// (frame product, RoPE), then every query row is dotted with them eight tokens at a time.
 #[inline(always)]
 fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
     let (y, d, m, rot, norms, q, g) = args;
     let n = y.len() / d;
-    let framed = m.map(|m| {
-        let mut keys = vec![0.0f32; n * d];
-        BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, &mut keys);
-        keys
-    });
-    let keys = framed.as_deref().unwrap_or(y);
-    let mut k = vec![0.0f32; d];
-    for (t, yt) in y.chunks_exact(d).enumerate() {
-        k.copy_from_slice(&keys[t * d..][..d]);
-        if let Some((r, pairs)) = rot {
-            let (cos, sin) = r[t * 2 * pairs..][..2 * pairs].split_at(pairs);
+    let mut keys = match m {
+        Some(m) => {
+            let mut keys = vec![0.0f32; n * d];
+            BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, &mut keys);
+            keys
+        }
+        None => y.to_vec(),
+    };
+    if let Some((r, pairs)) = rot.filter(|&(_, pairs)| pairs > 0) {
+        for (k, rt) in keys.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
+            let (cos, sin) = rt.split_at(pairs);
             let (re, rest) = k.split_at_mut(pairs);
             for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
                 (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
             }
         }
-        let scale = token_scale::<FMA>(norms, t, yt);
-        for j in 0..g {
-            out[j * n + t] = dot::<FMA>(&q[j * d..][..d], &k) * scale;
+    }
+    for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
+        dots::<FMA>(qj, &keys, o);
+    }
+    if norms.is_some() {
+        for (t, yt) in y.chunks_exact(d).enumerate() {
+            let scale = token_scale::<FMA>(norms, t, yt);
+            for j in 0..g {
+                out[j * n + t] *= scale;
+            }
         }
     }
 }
 
-/// Weighted sums of one decoded block into `out` (`[g, d]`).
+/// `out[t] = q . keys[t]` for every row of `keys` (`out.len() x q.len()`).
+#[inline(always)]
+fn dots<const FMA: bool>(q: &[f32], keys: &[f32], out: &mut [f32]) {
+    let d = q.len();
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if FMA && d.is_multiple_of(8) {
+        for (k8, o8) in keys.chunks_exact(8 * d).zip(out.chunks_exact_mut(8)) {
+            #[allow(unsafe_code)]
+            // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`).
+            let sums = unsafe { dots8_avx_fma(q, k8) };
+            o8.copy_from_slice(&sums);
+            done += 8;
+        }
+    }
+    for (k, o) in keys[done * d..].chunks_exact(d).zip(&mut out[done..]) {
+        *o = dot::<FMA>(q, k);
+    }
+}
+
+/// Weighted sums of one decoded block into `out` (`[g, d]`, zeros on entry), in tiles of a
+/// few query rows by a few columns whose sums stay in registers across the
+/// block's tokens: a token's values are loaded once per tile rather than once per row, and no
+/// sum goes through memory per token. Each sum adds the same terms in token order.
 #[inline(always)]
 fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
     let (y, d, w, t_n, t0, norms, g) = args;
-    for (t, yt) in y.chunks_exact(d).enumerate() {
-        let scale = token_scale::<FMA>(norms, t, yt);
-        for j in 0..g {
-            let wt = w[j * t_n + t0 + t] * scale;
-            // Masked tokens (weight 0) add nothing; skipping them is exact.
-            if wt != 0.0 {
-                axpy::<FMA>(wt, yt, &mut out[j * d..][..d]);
+    let n = y.len() / d;
+    let scales: Vec<f32> = match norms {
+        Some(_) => (0..n)
+            .map(|t| token_scale::<FMA>(norms, t, &y[t * d..][..d]))
+            .collect(),
+        None => Vec::new(),
+    };
+    // Each tile's weights with the token scales in, token-major: `[n, R]`.
+    let weights = |rows: std::ops::Range<usize>| -> Vec<f32> {
+        (0..n)
+            .flat_map(|t| {
+                let scale = scales.get(t).copied().unwrap_or(1.0);
+                rows.clone().map(move |j| w[j * t_n + t0 + t] * scale)
+            })
+            .collect()
+    };
+    // Tiles of 4 rows, then one of the 1-3 left, each wide enough to keep 6-8 independent
+    // sums in flight.
+    let full = g / 4 * 4;
+    for (j0, o) in (0..full).step_by(4).zip(out.chunks_exact_mut(4 * d)) {
+        sums_tile::<4, 16, FMA>(y, &weights(j0..j0 + 4), o);
+    }
+    let (rows, o) = (full..g, &mut out[full * d..]);
+    match rows.len() {
+        3 => sums_tile::<3, 16, FMA>(y, &weights(rows), o),
+        2 => sums_tile::<2, 32, FMA>(y, &weights(rows), o),
+        1 => sums_tile::<1, 64, FMA>(y, &weights(rows), o),
+        _ => {}
+    }
+}
+
+/// `out[r] = sum_t wt[t, r] y_t` for `R` rows (`wt` is `[n, R]`, `out` `R x d`), in column
+/// tiles of `W`, 8 and 1.
+#[inline(always)]
+fn sums_tile<const R: usize, const W: usize, const FMA: bool>(
+    y: &[f32],
+    wt: &[f32],
+    out: &mut [f32],
+) {
+    let d = out.len() / R;
+    let mut col = 0;
+    while col + W <= d {
+        sums_columns::<R, W, FMA>(y, wt, col, out);
+        col += W;
+    }
+    while col + 8 <= d {
+        sums_columns::<R, 8, FMA>(y, wt, col, out);
+        col += 8;
+    }
+    while col < d {
+        sums_columns::<R, 1, FMA>(y, wt, col, out);
+        col += 1;
+    }
+}
+
+/// [`sums_tile`] over columns `col..col + W`.
+#[inline(always)]
+fn sums_columns<const R: usize, const W: usize, const FMA: bool>(
+    y: &[f32],
+    wt: &[f32],
+    col: usize,
+    out: &mut [f32],
+) {
+    let d = out.len() / R;
+    let mut acc = [[0.0f32; W]; R];
+    for (yt, wr) in y.chunks_exact(d).zip(wt.chunks_exact(R)) {
+        let yv = &yt[col..col + W];
+        for (a, &p) in acc.iter_mut().zip(wr) {
+            for c in 0..W {
+                a[c] = madd::<FMA>(p, yv[c], a[c]);
             }
         }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        out[r * d + col..][..W].copy_from_slice(a);
     }
 }
 
@@ -680,6 +777,43 @@ fn dot_avx_fma(a: &[f32], b: &[f32]) -> f32 {
         sum = a[j].mul_add(b[j], sum);
     }
     sum
+}
+
+/// `q . k_t` for the eight rows `k_t` of `keys` (`8 x d`, `d = q.len()` a multiple of 8): one
+/// accumulator per row, the eight reduced together by horizontal adds (one reduction per
+/// row cost more than the row's products).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma")]
+#[allow(unsafe_code)]
+fn dots8_avx_fma(q: &[f32], keys: &[f32]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let d = q.len();
+    assert!(d.is_multiple_of(8) && keys.len() >= 8 * d);
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for c in (0..d).step_by(8) {
+        // SAFETY (every load): `c + 8 <= d`, and row `t < 8` of `keys` holds `d` values.
+        let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
+        for (t, a) in acc.iter_mut().enumerate() {
+            let kv = unsafe { _mm256_loadu_ps(keys.as_ptr().add(t * d + c)) };
+            *a = _mm256_fmadd_ps(qv, kv, *a);
+        }
+    }
+    // Pairwise horizontal adds: lanes 0-3 then hold rows' sums of their lanes 0-3, lanes
+    // 4-7 of their lanes 4-7, in row order 0-3 | 0-3 and 4-7 | 4-7.
+    let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+    let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+    let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    let h0123 = _mm256_hadd_ps(h01, h23);
+    let h4567 = _mm256_hadd_ps(h45, h67);
+    let sums = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(h0123, h4567),
+        _mm256_permute2f128_ps::<0x31>(h0123, h4567),
+    );
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
+    out
 }
 
 #[cfg(test)]

@@ -186,8 +186,9 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
 
 #[test]
 fn value_sums_match_the_decoded_values() {
-    for d in [64usize, 26] {
-        let (streams, g, lens) = (3, 2, [40usize, 9]);
+    // g 1, 2, 3: the kernel's one tile of each width; 7: a tile of 4 and one of 3.
+    for (d, g) in [(64usize, 1usize), (64, 2), (26, 3), (80, 7)] {
+        let (streams, lens) = (3, [40usize, 9]);
         let (encs, y) = coded(streams, &lens, d);
         let refs: Vec<&EncodedLayer> = encs.iter().collect();
         let c = CodedStreams::new(&refs, streams).unwrap();
