@@ -489,14 +489,16 @@ const AVX_TILE_TOKENS: usize = 6;
 /// compiler left a 6 x 16 array of sums in memory).
 ///
 /// # Safety
-/// The CPU has AVX and FMA; `ys` and `out` hold at least `6 d` values, `col + 16 <= d`,
-/// every `frame.varying` is below `d` and `frame.rows` holds `varying.len() x d` values.
+/// The CPU has AVX and FMA and every `frame.varying` is below `d` (`BlockFrame::new`); the
+/// other bounds (`6 d` values in `ys` and `out`, `col + 16 <= d`, `varying.len() x d` in
+/// `rows`) are asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,fma")]
 #[allow(unsafe_code)]
 unsafe fn columns_6x16_avx_fma(frame: &BlockFrame, ys: &[f32], col: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = frame.fixed.len();
+    assert!(ys.len() >= 6 * d && out.len() >= 6 * d && frame.rows.len() >= frame.varying.len() * d);
     let fixed = &frame.fixed[col..col + 16];
     let (f0, f1) = unsafe { (_mm256_loadu_ps(&fixed[0]), _mm256_loadu_ps(&fixed[8])) };
     let mut acc = [[f0, f1]; AVX_TILE_TOKENS];
@@ -607,9 +609,9 @@ fn dots<const FMA: bool>(q: &[f32], keys: &[f32], out: &mut [f32]) {
 }
 
 /// Weighted sums of one decoded block into `out` (`[g, d]`, zeros on entry), in tiles of a
-/// few query rows by a few columns whose sums stay in registers across the
-/// block's tokens: a token's values are loaded once per tile rather than once per row, and no
-/// sum goes through memory per token. Each sum adds the same terms in token order.
+/// few query rows by a few columns whose sums stay in registers across the block's tokens: a
+/// token's values are loaded once per tile rather than once per row, and no sum goes through
+/// memory per token. Each sum adds the same terms in token order.
 #[inline(always)]
 fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
     let (y, d, w, t_n, t0, norms, g) = args;
