@@ -472,7 +472,7 @@ mod tests {
         }
     }
 
-    /// A recipe-sized block (256 vectors of 64 components, every width 0..=8, outliers): the
+    /// Blocks of 64 components (every width 0..=8, outliers) and 256, 203 or 5 vectors: the
     /// AVX2 gather decoder, where this CPU has it, decodes every vector (the last ones from a
     /// padded copy of their codes), and the block decodes bit for bit as the direct formula
     /// says.
