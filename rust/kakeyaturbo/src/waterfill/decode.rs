@@ -258,8 +258,7 @@ pub fn decode_into(
             "water-filled code stream has the wrong length".into(),
         ));
     }
-    let first = gather_rows(b, (n, per_vector), &values, &offsets, out);
-    if first == 0 {
+    if !gather_rows(b, (n, per_vector), &values, &offsets, out) {
         let joint = if n >= JOINT_MIN_VECTORS {
             JOINT_BITS
         } else {
@@ -267,17 +266,6 @@ pub fn decode_into(
         };
         let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
         prog.run_rows(b.codes, n, d_eff, out)?;
-    } else {
-        // Vectors the gather decoder left (none today): a table build would cost more.
-        let rows = out[first * d_eff..].chunks_exact_mut(d_eff);
-        for (i, row) in (first..n).zip(rows) {
-            let mut bit = i * per_vector;
-            for ((v, &w), &off) in row.iter_mut().zip(&b.comp_bits).zip(&offsets) {
-                let code = peek_u64(b.codes, bit >> 3) >> (bit & 7);
-                *v = values[off + (code as usize & ((1 << w) - 1))];
-                bit += w as usize;
-            }
-        }
     }
     for &(pos, val) in &b.outliers {
         let (pos, j) = (pos as usize, pos as usize % d_eff);
@@ -317,53 +305,47 @@ fn component_values(
 }
 
 /// Decodes the block's vectors (`(n, per_vector)`: its vectors and the bits of each) with the
-/// AVX2 gather decoder (`gather.rs`) where this CPU has AVX2, and returns how many: all of
-/// them, or 0 elsewhere.
+/// AVX2 gather decoder (`gather.rs`) where this CPU has AVX2, and returns whether it did (all
+/// of them; none elsewhere).
 fn gather_rows(
     b: &WaterfillCodes<'_>,
     (n, per_vector): (usize, usize),
     values: &[f32],
     offsets: &[usize],
     out: &mut [f32],
-) -> usize {
+) -> bool {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
         if let Some(plan) = gather::Plan::new(&b.comp_bits, values, offsets, n, per_vector) {
             let d = b.comp_bits.len();
             let m = plan.vectors_within(b.codes.len(), n);
-            if m > 0 {
-                #[allow(unsafe_code)]
-                // SAFETY: AVX2 was just found; `m` is from `vectors_within` on these codes,
-                // `out` holds `n x d` values and `values` built the plan.
-                unsafe {
-                    plan.rows(b.codes, values, m, out)
-                };
-            }
-            if m == n {
-                return n;
-            }
-            // The last vectors, whose gathers would read past the stream, from a zero-padded
+            // The last vectors, whose gathers would read past the stream, go from a zero-padded
             // copy of their codes (vector `m`, a multiple of 8, starts on a byte), whole groups
             // of 8 into a scratch of rows.
             let (rest, groups) = (n - m, (n - m).div_ceil(8) * 8);
             let codes = &b.codes[m * per_vector / 8..];
             let mut tail = vec![0u8; codes.len().max((groups * per_vector).div_ceil(8) + 4)];
             tail[..codes.len()].copy_from_slice(codes);
-            if plan.vectors_within(tail.len(), groups) == groups {
-                let mut rows = vec![0.0f32; groups * d];
-                #[allow(unsafe_code)]
-                // SAFETY: as above, on `tail` and `groups` (just checked by `vectors_within`).
-                unsafe {
-                    plan.rows(&tail, values, groups, &mut rows)
-                };
-                out[m * d..].copy_from_slice(&rows[..rest * d]);
-                return n;
+            if plan.vectors_within(tail.len(), groups) != groups {
+                return false; // not reached: the padding covers every gather of the tail
             }
-            return m;
+            #[allow(unsafe_code)]
+            // SAFETY: AVX2 was just found; `m` is from `vectors_within` on these codes and
+            // `groups` on `tail`, `out` holds `n x d` values, `rows` `groups x d`, and
+            // `values` built the plan.
+            unsafe {
+                plan.rows(b.codes, values, m, out);
+                if rest > 0 {
+                    let mut rows = vec![0.0f32; groups * d];
+                    plan.rows(&tail, values, groups, &mut rows);
+                    out[m * d..].copy_from_slice(&rows[..rest * d]);
+                }
+            }
+            return true;
         }
     }
     let _ = (b, n, per_vector, values, offsets, out);
-    0
+    false
 }
 
 /// The decoding gain of a `bits`-bit component under `metric`.
@@ -509,11 +491,15 @@ mod tests {
                 component_values(&body, Metric::Mse, |j, c| mean[j] + c).unwrap();
             let per_vector = body.comp_bits.iter().map(|&b| b as usize).sum();
             let mut rows = vec![f32::NAN; n * d];
-            let m = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
+            let took = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2") {
-                assert_eq!(m, n, "the gather decoder took {m} of {n} vectors");
+                assert!(
+                    took,
+                    "the gather decoder did not take the block of {n} vectors"
+                );
             }
+            let m = if took { n } else { 0 };
             // Its rows, before outliers: the direct formula's wherever no outlier sits.
             let hit: std::collections::HashSet<usize> =
                 body.outliers.iter().map(|&(p, _)| p as usize).collect();
