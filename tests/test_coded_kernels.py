@@ -222,10 +222,12 @@ def test_whole_attention_refuses_bad_inputs_by_name():
         coded_attend(encs, encs[:-1] + encs[:1], s, q, ex, ex, 1.0)
 
 
-def test_callers_on_several_threads_get_what_one_caller_gets():
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_callers_on_several_threads_get_what_one_caller_gets(torch_threads):
     """Every calling thread runs the kernels on a rayon pool of its own, the caller one of its
-    workers (``rust/kakeyaturbo-py/src/workers.rs``): callers at once, and threads that end
-    and drop their pool, must neither hang nor change a bit of the results."""
+    workers, or with torch on several threads on its own OpenMP team
+    (``rust/kakeyaturbo-py/src/workers.rs``): callers at once, and threads that end and drop
+    their pool, must neither hang nor change a bit of the results."""
     kencs, _ = coded_stream_major(11)
     vencs, _ = coded_stream_major(12)
     s, g = ROWS * HEADS, torch.Generator().manual_seed(13)
@@ -239,11 +241,18 @@ def test_callers_on_several_threads_get_what_one_caller_gets():
             kt.decode_batch(kencs[:: len(LENS)]),  # every stream's first block
         )
 
-    want = work()
-    for _ in range(2):  # the second executor's threads are new: the first ones' pools are gone
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            for got in pool.map(work, range(12)):
-                for a, b in zip(got, want):
-                    np.testing.assert_array_equal(a, b)
-    for a, b in zip(work(), want):
-        np.testing.assert_array_equal(a, b)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = work()
+        torch.set_num_threads(torch_threads)
+        assert kt._core._workers()[0] == ("team" if torch_threads > 1 else "rayon")
+        for _ in range(2):  # the second executor's threads are new: the first ones' pools are gone
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                for got in pool.map(work, range(12)):
+                    for a, b in zip(got, want):
+                        np.testing.assert_array_equal(a, b)
+        for a, b in zip(work(), want):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        torch.set_num_threads(before)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 import kakeyaturbo as kt
 
@@ -31,3 +32,37 @@ def test_concurrent_encode_decode_is_identical(real_kv):
         assert b == serial_bytes[i]
         np.testing.assert_array_equal(dec, serial_dec[i])
         np.testing.assert_array_equal(np.stack(single), serial_dec[i])
+
+
+def test_the_codec_runs_on_torch_threads_with_identical_results(real_kv):
+    """With torch on 2 threads the codec's loops run on torch's OpenMP team (where they run
+    is reported, so a silent fall back to rayon fails here), and every byte and value equals
+    the rayon pool's; from several Python threads at once too (each is its own team's master)."""
+    torch = pytest.importorskip("torch")
+    x = np.stack([real_kv[f"layer{i}.k"] for i in range(3)])
+    params = kt.CodecParams(bit_width=3)
+    before = torch.get_num_threads()
+
+    def run():
+        encs = kt.encode_batch(x, params)
+        return [e.to_bytes() for e in encs], kt.decode_batch(encs), kt._core._workers()
+
+    try:
+        torch.set_num_threads(2)
+        shared = kt.share_torch_threads(False)
+        assert kt._core._workers()[0] == "rayon"
+        want_bytes, want, _ = run()
+        assert kt.share_torch_threads(True) is False
+        got_bytes, got, where = run()
+        assert where == ("team", 2)
+        assert got_bytes == want_bytes
+        np.testing.assert_array_equal(got, want)
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            for b, dec, _ in pool.map(lambda _: run(), range(6)):
+                assert b == want_bytes
+                np.testing.assert_array_equal(dec, want)
+        torch.set_num_threads(1)
+        assert kt._core._workers()[0] == "rayon"
+    finally:
+        kt.share_torch_threads(shared)
+        torch.set_num_threads(before)

@@ -16,6 +16,7 @@ from ._core import (
     KakeyaTurboError,
     UnsupportedVersionError,
     __version__,
+    share_torch_threads,
 )
 from .codec import (
     EncodedLayer,
@@ -50,5 +51,6 @@ __all__ = [
     "encode_layer",
     "fit_codebook",
     "gaussian_codebook",
+    "share_torch_threads",
     "stage_errors",
 ]

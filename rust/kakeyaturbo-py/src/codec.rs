@@ -1,13 +1,12 @@
 //! Encode / decode entry points. The work runs with the GIL released; batched calls run
-//! their streams (and each stream's blocks) in parallel on rayon's pool.
+//! their streams (and each stream's blocks) in parallel (where: `workers.rs`).
 
-use kakeyaturbo::{self as core, EncodedLayer, ExternalBasis, InputDtype};
+use kakeyaturbo::{self as core, parallel, EncodedLayer, ExternalBasis, InputDtype};
 use numpy::ndarray::{Ix1, Ix2, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use rayon::prelude::*;
 
 use crate::arrays::ArrayIn;
 use crate::errors::{to_py, to_py_in, type_error};
@@ -247,13 +246,12 @@ pub fn encode_batch(
     let dtype = v.dtype;
     let ext = bases_for(&bases, s)?;
     let layers = workers::detach(py, || {
-        (0..s)
-            .into_par_iter()
-            .map(|i| {
-                let xi = &data[i * n * d..(i + 1) * n * d];
-                core::encode_layer_with(xi, n, d, None, p, dtype, ext[i]).map_err(|e| (i, e))
-            })
-            .collect::<Result<Vec<_>, _>>()
+        parallel::map(s, |i| {
+            let xi = &data[i * n * d..(i + 1) * n * d];
+            core::encode_layer_with(xi, n, d, None, p, dtype, ext[i]).map_err(|e| (i, e))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
     })
     .map_err(|(i, e)| to_py_in(&format!("x: stream {i}"), e))?;
     Ok(layers
@@ -303,12 +301,11 @@ pub fn decode_batch<'py>(
     core::check_batch_decode(&refs).map_err(|e| to_py_in("encs", e))?;
     let out = workers::detach(py, || -> Result<Vec<f32>, (usize, kakeyaturbo::Error)> {
         let mut out = vec![0.0f32; s * n * d];
-        out.par_chunks_mut(n * d)
-            .zip(refs.par_iter().zip(ext.par_iter()))
-            .enumerate()
-            .try_for_each(|(i, (chunk, (e, b)))| {
-                core::decode_layer_into(e, *b, chunk).map_err(|err| (i, err))
-            })?;
+        parallel::map_chunks(&mut out, n * d, |i, chunk| {
+            core::decode_layer_into(refs[i], ext[i], chunk).map_err(|err| (i, err))
+        })
+        .into_iter()
+        .collect::<Result<(), _>>()?;
         Ok(out)
     })
     .map_err(|(i, e)| to_py_in(&format!("encs[{i}]"), e))?;

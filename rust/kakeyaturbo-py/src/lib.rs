@@ -5,6 +5,7 @@ mod arrays;
 mod attention;
 mod codec;
 mod errors;
+mod openmp;
 mod params;
 mod workers;
 
@@ -31,6 +32,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
+    m.add_function(wrap_pyfunction!(workers::share_torch_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(workers::_workers, m)?)?;
     m.add(
         "KakeyaTurboError",
         py.get_type::<errors::KakeyaTurboError>(),
@@ -62,6 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "encode_layer",
             "fit_codebook",
             "gaussian_codebook",
+            "share_torch_threads",
             "stage_errors",
             "wht_rotate",
         ],

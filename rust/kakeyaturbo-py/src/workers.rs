@@ -1,23 +1,49 @@
-//! Where the bindings run the codec's parallel work: on a rayon pool the calling thread
-//! belongs to.
+//! Where the bindings run the codec's parallel work.
 //!
-//! A decode step calls the attention kernels once per layer with a few milliseconds of the
-//! model's own work between calls, long enough for rayon's workers to fall asleep. On rayon's
-//! global pool the calling thread only waits: every call wakes the workers, and every fork
-//! inside it waits for a woken one. Measured on SmolLM2 at 4k tokens (2 cores, a loop over the
-//! 30 layers with 2 ms of other work between calls), that made the calls 1.2-1.4x slower than
-//! back to back. Here the caller is worker 0 of its own pool: it starts on the work at once,
-//! and the other workers join as they wake.
+//! **On torch's OpenMP team** when torch runs more than one intra-op thread
+//! (`torch.set_num_threads`; `openmp.rs`): the codec's loops become regions of that team, so
+//! the codec uses the threads torch uses, and no second set of threads competes with torch's
+//! spinning ones for the cores. [`share_torch_threads`] turns this off.
 //!
-//! Each thread that calls gets its own pool, of rayon's default size (`RAYON_NUM_THREADS`, or
-//! one thread per core), built on its first call and dropped when the thread ends. A caller
-//! that is already a rayon worker (of its own pool, or inside another) runs where it is.
+//! **On a rayon pool the calling thread belongs to** otherwise (torch on one thread leaves the
+//! other cores idle; a numpy caller has no team to lend). A decode step calls the attention
+//! kernels once per layer with a few milliseconds of the model's own work between calls, long
+//! enough for rayon's workers to fall asleep. On rayon's global pool the calling thread only
+//! waits: every call wakes the workers, and every fork inside it waits for a woken one.
+//! Measured on SmolLM2 at 4k tokens (2 cores, a loop over the 30 layers with 2 ms of other
+//! work between calls), that made the calls 1.2-1.4x slower than back to back. Here the caller
+//! is worker 0 of its own pool: it starts on the work at once, and the other workers join as
+//! they wake. Each thread that calls gets its own pool, of rayon's default size
+//! (`RAYON_NUM_THREADS`, or one thread per core), built on its first call and dropped when the
+//! thread ends. A caller that is already a rayon worker (of its own pool, or inside another)
+//! runs where it is.
 
 use std::cell::OnceCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use kakeyaturbo::parallel;
 use pyo3::marker::Ungil;
-use pyo3::Python;
+use pyo3::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
+
+use crate::openmp;
+
+static SHARE_TORCH_THREADS: AtomicBool = AtomicBool::new(true);
+
+/// Whether the codec runs on torch's OpenMP team when torch has more than one thread (on by
+/// default); sets it to `enabled` and returns what it was. Off, the codec keeps to its own
+/// rayon pool whatever torch does.
+#[pyfunction]
+pub fn share_torch_threads(enabled: bool) -> bool {
+    SHARE_TORCH_THREADS.swap(enabled, Ordering::Relaxed)
+}
+
+/// Where the codec's parallel loops run on this thread now: `("team", n)` on torch's OpenMP
+/// team of `n` threads, `("rayon", n)` on a rayon pool of `n`.
+#[pyfunction]
+pub fn _workers(py: Python<'_>) -> (&'static str, usize) {
+    detach(py, parallel::describe)
+}
 
 thread_local! {
     static POOL: OnceCell<Option<ThreadPool>> = const { OnceCell::new() };
@@ -30,6 +56,12 @@ pub fn detach<R: Ungil + Send>(py: Python<'_>, f: impl FnOnce() -> R + Ungil + S
 }
 
 fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if SHARE_TORCH_THREADS.load(Ordering::Relaxed) {
+        if let Some(team) = openmp::runtime().filter(|t| t.max_threads() > 1) {
+            return parallel::with_team(team, f);
+        }
+    }
+    // (A thread stays worker 0 of its pool once built, so this is also every later call.)
     if rayon::current_thread_index().is_some() {
         return f();
     }

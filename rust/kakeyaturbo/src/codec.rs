@@ -21,13 +21,13 @@
 use std::borrow::Cow;
 
 use half::f16;
-use rayon::prelude::*;
 
 use crate::basis::{BasisRef, ExternalBasis};
 use crate::error::{Error, Result};
 use crate::format::{
     check_decode_size, read_layer, write_layer, ParsedBlock, ParsedBody, ParsedLayer,
 };
+use crate::parallel;
 use crate::params::{Allocation, CodecParams, InputDtype, MAX_HEAD_DIM, MAX_MAGNITUDE};
 use crate::pca::{fit_basis, normalised_weights, project, rounded_mean, unproject, SharedBasis};
 use crate::uniform::{self, UniformBody};
@@ -384,22 +384,21 @@ pub fn encode_layer_with(
         (None, None) => BasisRef::PerBlock,
     };
     let bs = p.block_size;
-    let blocks: Vec<EncodedBlock> = (0..n.div_ceil(bs))
-        .into_par_iter()
-        .map(|bi| {
-            let lo = bi * bs;
-            let hi = (lo + bs).min(n);
-            encode_checked_block(
-                &x[lo * d..hi * d],
-                hi - lo,
-                d,
-                weights.map(|w| &w[lo..hi]),
-                p,
-                basis,
-                bi,
-            )
-        })
-        .collect::<Result<_>>()?;
+    let blocks: Vec<EncodedBlock> = parallel::map(n.div_ceil(bs), |bi| {
+        let lo = bi * bs;
+        let hi = (lo + bs).min(n);
+        encode_checked_block(
+            &x[lo * d..hi * d],
+            hi - lo,
+            d,
+            weights.map(|w| &w[lo..hi]),
+            p,
+            basis,
+            bi,
+        )
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
     let ext = external.map(|e| (e.d_eff(), e.fingerprint()));
     let bytes = write_layer(p, n, d, input_dtype, shared.as_ref(), ext, &blocks);
     Ok(EncodedLayer {
@@ -487,16 +486,17 @@ fn decode_parsed(
         }
     };
     let bs = parsed.params.block_size;
-    out.par_chunks_mut(bs * d)
-        .zip(parsed.blocks.par_iter())
-        .try_for_each(|(chunk, b)| {
-            let (mean, basis): (&[f32], &[f32]) = match (&parsed.shared, ext_rows) {
-                (Some(s), _) => (&s.mean, &s.basis),
-                (None, Some(rows)) => (&b.mean, rows),
-                (None, None) => (&b.mean, &b.basis),
-            };
-            decode_block(b, d, &parsed.params, mean, basis, chunk)
-        })
+    parallel::map_chunks(out, bs * d, |i, chunk| {
+        let b = &parsed.blocks[i];
+        let (mean, basis): (&[f32], &[f32]) = match (&parsed.shared, ext_rows) {
+            (Some(s), _) => (&s.mean, &s.basis),
+            (None, Some(rows)) => (&b.mean, rows),
+            (None, None) => (&b.mean, &b.basis),
+        };
+        decode_block(b, d, &parsed.params, mean, basis, chunk)
+    })
+    .into_iter()
+    .collect()
 }
 
 #[cfg(test)]

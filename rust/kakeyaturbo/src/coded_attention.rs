@@ -22,10 +22,9 @@
 //! what a portable wheel is built for) and, picked at run time, with AVX and FMA, whose dot
 //! product is written with AVX intrinsics (the compiler's own was two lanes wide).
 
-use rayon::prelude::*;
-
 use crate::codec::{decode_layer_into, EncodedLayer};
 use crate::error::{Error, Result};
+use crate::parallel;
 
 mod attend;
 mod norms;
@@ -115,16 +114,15 @@ impl<'a> CodedStreams<'a> {
         f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
     ) -> Result<Vec<R>> {
         let (nb, d) = (self.blocks(), self.d);
-        (0..self.encs.len())
-            .into_par_iter()
-            .map_init(Vec::new, |scratch: &mut Vec<f32>, i| {
-                let (s, b) = (i / nb, i % nb);
-                let n = self.offsets[b + 1] - self.offsets[b];
-                scratch.resize(n * d, 0.0);
-                decode_layer_into(self.encs[i], None, scratch)?;
-                f(s, b, scratch, self.offsets[b])
-            })
-            .collect()
+        parallel::map_init(self.encs.len(), Vec::new, |scratch: &mut Vec<f32>, i| {
+            let (s, b) = (i / nb, i % nb);
+            let n = self.offsets[b + 1] - self.offsets[b];
+            scratch.resize(n * d, 0.0);
+            decode_layer_into(self.encs[i], None, scratch)?;
+            f(s, b, scratch, self.offsets[b])
+        })
+        .into_iter()
+        .collect()
     }
 }
 

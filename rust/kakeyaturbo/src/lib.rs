@@ -36,6 +36,7 @@ pub mod format;
 pub mod kmeans;
 pub mod lloyd_max;
 pub mod outliers;
+pub mod parallel;
 pub mod params;
 pub mod pca;
 pub mod rng;

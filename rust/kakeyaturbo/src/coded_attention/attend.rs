@@ -9,13 +9,12 @@
 //! products are plain dots, written for the few query rows of a decode step; prefill-sized
 //! queries belong to a matrix library.
 
-use rayon::prelude::*;
-
 use super::{
     axpy, check_frames, check_len, dot, frame_of, key_logits, times_frame, value_sums,
     with_avx_fma, CodedStreams, Norms, RopeAngles,
 };
 use crate::error::{Error, Result};
+use crate::parallel;
 
 /// The inputs of [`attend`] besides the coded streams. `S` streams, `R` query rows per stream,
 /// `T` coded and `E` exact tokens per stream, head dim `D`.
@@ -101,30 +100,26 @@ pub fn attend(
         return Ok(Vec::new());
     }
     // Per stream: the coded logits become their weights in place, the exact weights return.
-    let exact_p: Vec<Vec<f32>> = weights
-        .par_chunks_mut(r * t_n)
-        .enumerate()
-        .map(|(s, coded)| {
-            let mut exact = vec![0.0f32; r * e_n];
-            let args = Scores {
-                coded,
-                exact: &mut exact,
-                q: &a.queries[s * r * d..][..r * d],
-                keys: &a.exact_keys[s * e_n * d..][..e_n * d],
-                bias: a
-                    .bias
-                    .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]),
-                d,
-                scaling: a.scaling,
-                softcap: a.softcap,
-            };
-            run_softmax(args);
-            exact
-        })
-        .collect();
+    let exact_p: Vec<Vec<f32>> = parallel::map_chunks(&mut weights, r * t_n, |s, coded| {
+        let mut exact = vec![0.0f32; r * e_n];
+        let args = Scores {
+            coded,
+            exact: &mut exact,
+            q: &a.queries[s * r * d..][..r * d],
+            keys: &a.exact_keys[s * e_n * d..][..e_n * d],
+            bias: a
+                .bias
+                .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]),
+            d,
+            scaling: a.scaling,
+            softcap: a.softcap,
+        };
+        run_softmax(args);
+        exact
+    });
     let sums = value_sums(values, &weights, a.value_norms.as_ref(), r)?;
     let mut out = vec![0.0f32; s_n * r * d];
-    out.par_chunks_mut(r * d).enumerate().for_each(|(s, out)| {
+    parallel::map_chunks(&mut out, r * d, |s, out| {
         let m = frame_of(a.value_frames, s, d);
         let args = Outputs {
             sums: &sums[s * r * d..][..r * d],

@@ -1,0 +1,263 @@
+//! Where the codec's parallel loops run: rayon's pool, or a team of threads lent by the caller.
+//!
+//! Every parallel loop of the crate is a list of independent tasks (blocks, streams). By
+//! default they run on rayon's pool (or the pool the caller has installed). A caller that
+//! already keeps a team of threads busy between codec calls can lend it instead
+//! ([`with_team`]): the bindings lend torch's OpenMP team, whose threads spin between torch's
+//! parallel regions and would otherwise take the cores that rayon's workers need.
+//!
+//! A loop nested inside a team's task runs on that task's thread, in order: a team is a fixed
+//! set of threads, and the outer loop already has every one of them.
+
+use std::cell::Cell;
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+/// A fixed set of threads that runs a list of tasks.
+pub trait Team: Sync {
+    /// Threads of the team: [`Team::run`] passes thread indices below this.
+    fn threads(&self) -> usize;
+
+    /// Runs `task(thread, i)` for every `i < tasks`, each exactly once, spread over the team's
+    /// threads (`thread` names the one running it, below [`Team::threads`], and no two tasks
+    /// run on one thread at once). Returns when every task has run. A panic in a task is
+    /// raised again here, after the others have run.
+    fn run(&self, tasks: usize, task: &(dyn Fn(usize, usize) + Sync));
+}
+
+thread_local! {
+    static TEAM: Cell<Option<&'static dyn Team>> = const { Cell::new(None) };
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with the crate's parallel loops on `team` (for the calling thread, until `f`
+/// returns or panics).
+pub fn with_team<R>(team: &'static dyn Team, f: impl FnOnce() -> R) -> R {
+    struct Restore(Option<&'static dyn Team>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TEAM.with(|t| t.set(self.0));
+        }
+    }
+    let _restore = Restore(TEAM.with(|t| t.replace(Some(team))));
+    f()
+}
+
+enum Runner {
+    Rayon,
+    Team(&'static dyn Team),
+    /// Inside a team's task.
+    Here,
+}
+
+fn runner() -> Runner {
+    if IN_TASK.with(Cell::get) {
+        return Runner::Here;
+    }
+    match TEAM.with(Cell::get) {
+        Some(team) if team.threads() > 1 => Runner::Team(team),
+        Some(_) => Runner::Here,
+        None => Runner::Rayon,
+    }
+}
+
+/// Where a parallel loop started here would run: `("rayon", threads of the current pool)`,
+/// `("team", threads)` or `("here", 1)` (inside a team's task, or a team of one thread).
+pub fn describe() -> (&'static str, usize) {
+    match runner() {
+        Runner::Rayon => ("rayon", rayon::current_num_threads()),
+        Runner::Team(team) => ("team", team.threads()),
+        Runner::Here => ("here", 1),
+    }
+}
+
+/// Runs `task` on `team`, marking its threads as inside a task so nested loops stay there.
+fn run_on(team: &dyn Team, tasks: usize, task: impl Fn(usize, usize) + Sync) {
+    team.run(tasks, &|thread, i| {
+        let outer = IN_TASK.with(|t| t.replace(true));
+        struct Reset(bool);
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                IN_TASK.with(|t| t.set(self.0));
+            }
+        }
+        let _reset = Reset(outer);
+        task(thread, i)
+    });
+}
+
+/// `[f(&mut state, i) for i in 0..n]`, in order; each thread makes its `state` once with
+/// `init` (a scratch buffer, say) and reuses it across its tasks.
+pub fn map_init<S: Send, R: Send>(
+    n: usize,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize) -> R + Sync + Send,
+) -> Vec<R> {
+    match runner() {
+        Runner::Rayon => (0..n).into_par_iter().map_init(init, f).collect(),
+        Runner::Here => {
+            let mut s = init();
+            (0..n).map(|i| f(&mut s, i)).collect()
+        }
+        Runner::Team(team) => {
+            let states: Vec<Mutex<Option<S>>> =
+                (0..team.threads()).map(|_| Mutex::new(None)).collect();
+            let slots: Vec<Mutex<Option<R>>> = (0..n).map(|_| Mutex::new(None)).collect();
+            run_on(team, n, |thread, i| {
+                // Each thread holds its own state: the lock is never contended.
+                let mut state = states[thread].lock().unwrap_or_else(|e| e.into_inner());
+                let r = f(state.get_or_insert_with(&init), i);
+                let mut slot = slots[i].lock().unwrap_or_else(|e| e.into_inner());
+                assert!(slot.replace(r).is_none(), "task {i} ran twice");
+            });
+            slots
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let r = s.into_inner().unwrap_or_else(|e| e.into_inner());
+                    r.unwrap_or_else(|| panic!("task {i} never ran"))
+                })
+                .collect()
+        }
+    }
+}
+
+/// `[f(i) for i in 0..n]`, in order.
+pub fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync + Send) -> Vec<R> {
+    map_init(n, || (), |_, i| f(i))
+}
+
+/// `[f(i, chunk) for the i-th chunk of `chunk` items of data]`, in order (the last chunk may
+/// be shorter).
+pub fn map_chunks<T: Send, R: Send>(
+    data: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync + Send,
+) -> Vec<R> {
+    assert!(chunk > 0, "chunks of zero items");
+    match runner() {
+        Runner::Rayon => data
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect(),
+        Runner::Here => data
+            .chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect(),
+        Runner::Team(_) => {
+            // One lock per chunk, each taken by one task only: a way to hand the chunks out.
+            let chunks: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk).map(Mutex::new).collect();
+            map(chunks.len(), |i| {
+                let mut c = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
+                f(i, &mut c)
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A team of scoped OS threads taking task indices from a counter: what a lent team does.
+    struct Scoped(usize);
+
+    impl Team for Scoped {
+        fn threads(&self) -> usize {
+            self.0
+        }
+
+        fn run(&self, tasks: usize, task: &(dyn Fn(usize, usize) + Sync)) {
+            let next = AtomicUsize::new(0);
+            std::thread::scope(|s| {
+                for thread in 0..self.0 {
+                    let next = &next;
+                    s.spawn(move || loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= tasks {
+                            break;
+                        }
+                        task(thread, i);
+                    });
+                }
+            });
+        }
+    }
+
+    static THREE: Scoped = Scoped(3);
+    static ONE: Scoped = Scoped(1);
+
+    fn square_all() -> Vec<usize> {
+        map(50, |i| i * i)
+    }
+
+    #[test]
+    fn every_runner_gives_the_same_results_in_order() {
+        let want: Vec<usize> = (0..50).map(|i| i * i).collect();
+        assert_eq!(square_all(), want);
+        assert_eq!(with_team(&THREE, square_all), want);
+        assert_eq!(with_team(&ONE, square_all), want);
+        // The team is the caller's only while `with_team` runs.
+        assert_eq!(with_team(&THREE, describe), ("team", 3));
+        assert_eq!(with_team(&ONE, describe), ("here", 1));
+        assert_eq!(describe().0, "rayon");
+    }
+
+    #[test]
+    fn a_team_runs_each_task_once_with_one_state_per_thread() {
+        let inits = AtomicUsize::new(0);
+        let out = with_team(&THREE, || {
+            map_init(
+                200,
+                || {
+                    inits.fetch_add(1, Ordering::Relaxed);
+                    Vec::<usize>::new()
+                },
+                |seen, i| {
+                    seen.push(i);
+                    // A thread's state only ever saw its own, increasing tasks.
+                    assert!(seen.windows(2).all(|w| w[0] < w[1]));
+                    i + 1
+                },
+            )
+        });
+        assert_eq!(out, (1..=200).collect::<Vec<_>>());
+        assert!(inits.load(Ordering::Relaxed) <= 3);
+    }
+
+    #[test]
+    fn loops_nested_in_a_team_task_run_on_its_thread() {
+        let out = with_team(&THREE, || {
+            map(4, |i| {
+                assert!(matches!(runner(), Runner::Here));
+                map(3, |j| 10 * i + j)
+            })
+        });
+        assert_eq!(out[3], vec![30, 31, 32]);
+    }
+
+    #[test]
+    fn chunks_cover_the_data_in_order() {
+        for team in [None, Some(&THREE as &'static dyn Team)] {
+            let fill = || {
+                let mut v = vec![0usize; 10];
+                let lens = map_chunks(&mut v, 4, |i, c| {
+                    c.iter_mut().for_each(|x| *x = i + 1);
+                    c.len()
+                });
+                (v, lens)
+            };
+            let (v, lens) = match team {
+                Some(t) => with_team(t, fill),
+                None => fill(),
+            };
+            assert_eq!(v, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
+            assert_eq!(lens, [4, 4, 2]);
+        }
+    }
+}
