@@ -9,7 +9,9 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
 - ``whole``: the codec computes a decode step's whole attention in one call per layer
   (``Pipeline.attend``: logits, softmax, value sums, exact part), the default;
 - ``two-kernels``: the codec's logits and value-sum kernels around a torch softmax, bias and
-  exact part (``WHOLE_ATTENTION_ROWS = 0``), the default before ``attend``.
+  exact part (``WHOLE_ATTENTION_ROWS = 0``), the default before ``attend``;
+- ``own-pool`` (with ``--threads`` above 1): ``whole`` with the codec on its own rayon pool
+  (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads.
 
 Each context is prefilled once per cache; then each repetition times ``--steps`` single-token
 forwards per path in turn (each forward's token cropped again, so every step sees the same
@@ -26,11 +28,17 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+import kakeyaturbo
 import kakeyaturbo.hf.coded_attention as coded_attention
 from kakeyaturbo.hf import KakeyaCache
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 
-PATHS = {"whole": coded_attention.WHOLE_ATTENTION_ROWS, "two-kernels": 0}
+# name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads)
+PATHS = {
+    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True),
+    "two-kernels": (0, True),
+    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False),
+}
 
 
 def main() -> None:
@@ -63,18 +71,21 @@ def run_context(model, ids, ctx, calibration, args) -> None:
     model(ids[:, :ctx], past_key_values=dense)
     coded = KakeyaCache.from_model(model, calibration=calibration, hot_dtype=torch.bfloat16)
     model(ids[:, :ctx], past_key_values=coded)
-    runs = {"DynamicCache": (dense, None)} | {p: (coded, rows) for p, rows in PATHS.items()}
+    paths = {p: v for p, v in PATHS.items() if p != "own-pool" or args.threads > 1}
+    runs = {"DynamicCache": (dense, None)} | {p: (coded, v) for p, v in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(args.reps), desc=f"ctx {ctx}", leave=False):
-        for name, (cache, rows) in runs.items():
-            if rows is not None:
-                coded_attention.WHOLE_ATTENTION_ROWS = rows
+        for name, (cache, path) in runs.items():
+            if path is not None:
+                coded_attention.WHOLE_ATTENTION_ROWS = path[0]
+                kakeyaturbo.share_torch_threads(path[1])
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 model(ids[:, ctx : ctx + 1], past_key_values=cache)
                 cache.crop(-1)
             times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
-    coded_attention.WHOLE_ATTENTION_ROWS = PATHS["whole"]
+    coded_attention.WHOLE_ATTENTION_ROWS = PATHS["whole"][0]
+    kakeyaturbo.share_torch_threads(True)
     base = statistics.median(times["DynamicCache"])
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -22,8 +22,9 @@ def _require(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """torch's OpenMP workers spin-wait against the codec's own worker threads; on a 2-core
-    box that makes small forwards ~10x slower. Modules that run the model use one thread."""
+    """Modules that run the model use one torch thread: their bounds were measured so, and
+    the codec then keeps to its own rayon pool (with more, it runs on torch's OpenMP team;
+    ``tests/test_threading.py`` covers that)."""
     import torch
 
     n = torch.get_num_threads()
