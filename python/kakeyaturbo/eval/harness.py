@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,10 +239,7 @@ def _run_in_forward(
     model, method: Method, batch: Batch, hot: bool = False
 ) -> tuple[torch.Tensor, list[ByteCount]]:
     cache = CompressingCache(method, model.config, _rope(model, method))
-    if hot:
-        with hot_window.exact_window(model):
-            _prefill(model, batch.prefix, cache)
-    else:
+    with hot_window.exact_window(model) if hot else nullcontext():
         _prefill(model, batch.prefix, cache)
     cache.active = False
     rows = cache.rows or [{} for _ in batch.passages]

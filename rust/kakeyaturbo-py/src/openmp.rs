@@ -101,17 +101,11 @@ unsafe extern "C" fn body(data: *mut c_void) {
     }
 }
 
-impl OpenMp {
+impl Team for OpenMp {
     /// The team size a region started on this thread gets (torch's `set_num_threads`).
-    pub fn max_threads(&self) -> usize {
+    fn threads(&self) -> usize {
         // SAFETY: an OpenMP query, callable from any thread.
         unsafe { (self.max_threads)() }.max(1) as usize
-    }
-}
-
-impl Team for OpenMp {
-    fn threads(&self) -> usize {
-        self.max_threads()
     }
 
     fn run(&self, tasks: usize, task: &(dyn Fn(usize, usize) + Sync)) {

@@ -21,7 +21,7 @@
 use std::cell::OnceCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kakeyaturbo::parallel;
+use kakeyaturbo::parallel::{self, Team};
 use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 use rayon::{ThreadPool, ThreadPoolBuilder};
@@ -57,7 +57,7 @@ pub fn detach<R: Ungil + Send>(py: Python<'_>, f: impl FnOnce() -> R + Ungil + S
 
 fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if SHARE_TORCH_THREADS.load(Ordering::Relaxed) {
-        if let Some(team) = openmp::runtime().filter(|t| t.max_threads() > 1) {
+        if let Some(team) = openmp::runtime().filter(|t| t.threads() > 1) {
             return parallel::with_team(team, f);
         }
     }

@@ -11,6 +11,7 @@
 
 use std::cell::Cell;
 use std::sync::Mutex;
+use std::thread::LocalKey;
 
 use rayon::prelude::*;
 
@@ -34,13 +35,23 @@ thread_local! {
 /// Runs `f` with the crate's parallel loops on `team` (for the calling thread, until `f`
 /// returns or panics).
 pub fn with_team<R>(team: &'static dyn Team, f: impl FnOnce() -> R) -> R {
-    struct Restore(Option<&'static dyn Team>);
-    impl Drop for Restore {
+    with_cell(&TEAM, Some(team), f)
+}
+
+/// Runs `f` with the thread-local `cell` set to `value`, and sets it back after (on a panic
+/// too).
+fn with_cell<T: Copy + 'static, R>(
+    cell: &'static LocalKey<Cell<T>>,
+    value: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    struct Restore<T: Copy + 'static>(&'static LocalKey<Cell<T>>, T);
+    impl<T: Copy + 'static> Drop for Restore<T> {
         fn drop(&mut self) {
-            TEAM.with(|t| t.set(self.0));
+            self.0.with(|c| c.set(self.1));
         }
     }
-    let _restore = Restore(TEAM.with(|t| t.replace(Some(team))));
+    let _restore = Restore(cell, cell.with(|c| c.replace(value)));
     f()
 }
 
@@ -75,15 +86,7 @@ pub fn describe() -> (&'static str, usize) {
 /// Runs `task` on `team`, marking its threads as inside a task so nested loops stay there.
 fn run_on(team: &dyn Team, tasks: usize, task: impl Fn(usize, usize) + Sync) {
     team.run(tasks, &|thread, i| {
-        let outer = IN_TASK.with(|t| t.replace(true));
-        struct Reset(bool);
-        impl Drop for Reset {
-            fn drop(&mut self) {
-                IN_TASK.with(|t| t.set(self.0));
-            }
-        }
-        let _reset = Reset(outer);
-        task(thread, i)
+        with_cell(&IN_TASK, true, || task(thread, i))
     });
 }
 

@@ -21,9 +21,9 @@
 //! is a copy of a per-component value `m_j + Q^-1(q) s_j g`, computed exactly as the
 //! direct formula does, so the output is bit-identical to it.
 //!
-//! On a CPU with AVX2 the program decodes only blocks too short for the gather decoder
+//! On a CPU with AVX2 the program decodes only blocks the gather decoder cannot take
 //! (`gather.rs`, eight vectors per component at once, which decodes the same values bit for
-//! bit); the last few vectors past its reach are decoded one code at a time.
+//! bit); it takes a block whole, its last vectors from a zero-padded copy of their codes.
 //!
 //! Nothing here trusts the block: the tables cover every code a width can hold, the
 //! stream's length is checked against `n P`, a peek past its end reads zeros, and each
