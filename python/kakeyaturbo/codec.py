@@ -190,8 +190,22 @@ def encode_batch(
     return [EncodedLayer(r, origin) for r in raws]
 
 
-def _raws(encs: Sequence[EncodedLayer]) -> list:
+class CoreLayers(tuple):
+    """Layers already unwrapped for the core (:func:`core_layers`): the batch calls take them
+    as they are, so a caller that hands the same layers over on every step (a cache's blocks,
+    immutable once written) checks and unwraps them once."""
+
+
+def core_layers(encs: Sequence[EncodedLayer]) -> CoreLayers:
+    """``encs`` unwrapped for the core, once (a TypeError names the first that is not an
+    :class:`EncodedLayer`)."""
+    return CoreLayers(_raws(encs))
+
+
+def _raws(encs: Sequence[EncodedLayer]) -> Sequence:
     """The core layers of ``encs``, or a TypeError naming the first that is not one."""
+    if isinstance(encs, CoreLayers):
+        return encs
     for i, e in enumerate(encs):
         if not isinstance(e, EncodedLayer):
             raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")

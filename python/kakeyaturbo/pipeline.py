@@ -42,7 +42,7 @@ from ._runs import equal_runs
 from .norm_codes import NormCodes, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
-__all__ = ["CodedBlock", "Pipeline", "STREAMS"]
+__all__ = ["BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
 
 STREAMS = ("k", "v")
 #: Self-fitted frames need at least this many tokens per dimension to pay for themselves.
@@ -77,6 +77,19 @@ class CodedBlock:
         encs = [self.encs[r * heads + j] for r in order for j in range(heads)]
         norms = None if self.norms is None else self.norms.select_rows(torch.tensor(order))
         return CodedBlock(encs, norms, self.tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockRun:
+    """Blocks of one stream kind as the codec's attention kernels take them
+    (:meth:`Pipeline.run_of`): a cache whose blocks are immutable once written builds it when
+    its blocks change and hands the same run over on every step, instead of laying the blocks
+    out again per layer and step."""
+
+    layers: Any  # codec.CoreLayers, stream-major (each stream's blocks in token order)
+    streams: int
+    norms: Any  # (codes, bounds) lists as the kernels take token norms, or None
+    tokens: int
 
 
 def _fit_frame(x: torch.Tensor) -> torch.Tensor:
@@ -234,7 +247,7 @@ class Pipeline:
 
     def key_logits(
         self,
-        blocks: list[CodedBlock],
+        blocks: list[CodedBlock] | BlockRun,
         rows: int,
         queries: torch.Tensor,
         frames: Optional[torch.Tensor],
@@ -246,38 +259,35 @@ class Pipeline:
         ``frames`` ``[H, D, D]`` (None: identity); ``rotation`` ``[rows or 1, T, 2, pairs]``,
         the cosines then the sines turning channel pairs ``(i, i + pairs)`` (None: no RoPE).
         CPU float32."""
-        encs, streams = _stream_major(blocks)
-        h, g = queries.shape[1], queries.shape[2]
+        run = self.run_of(blocks, "k")
+        h, g, streams = queries.shape[1], queries.shape[2], run.streams
         logits = _codec.coded_key_logits(
-            encs,
+            run.layers,
             streams,
             _np(queries.reshape(streams, g, -1)),
             _np_or_none(frames),
             _np_or_none(rotation),
-            self._norm_codes(blocks, "k"),
+            run.norms,
         )
         return torch.from_numpy(logits).view(rows, h, g, -1)
 
     def value_sums(
-        self, blocks: list[CodedBlock], rows: int, weights: torch.Tensor
+        self, blocks: list[CodedBlock] | BlockRun, rows: int, weights: torch.Tensor
     ) -> torch.Tensor:
         """``sum_t weights[..., t] * y_t`` ``[rows, H, G, D]`` over the values coded in
         ``blocks`` (``weights`` ``[rows, H, G, T]``), in the coding frame (apply
         :meth:`frame_inverse` after), token-norm scales included, with no decoded copy. CPU
         float32."""
-        encs, streams = _stream_major(blocks)
-        h, g = weights.shape[1], weights.shape[2]
+        run = self.run_of(blocks, "v")
+        h, g, streams = weights.shape[1], weights.shape[2], run.streams
         sums = _codec.coded_value_sums(
-            encs,
-            streams,
-            _np(weights.reshape(streams, g, -1)),
-            self._norm_codes(blocks, "v"),
+            run.layers, streams, _np(weights.reshape(streams, g, -1)), run.norms
         )
         return torch.from_numpy(sums).view(rows, h, g, -1)
 
     def attend(
         self,
-        kv_blocks: tuple[list[CodedBlock], list[CodedBlock]],
+        kv_blocks: tuple[list[CodedBlock] | BlockRun, list[CodedBlock] | BlockRun],
         rows: int,
         queries: torch.Tensor,
         exact: tuple[torch.Tensor, torch.Tensor],
@@ -296,14 +306,14 @@ class Pipeline:
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
         few query rows of a decode step. CPU float32."""
-        (kb, vb), (ek, ev) = kv_blocks, exact
-        kencs, streams = _stream_major(kb)
+        kr, vr = self.run_of(kv_blocks[0], "k"), self.run_of(kv_blocks[1], "v")
+        (ek, ev), streams = exact, kr.streams
         h, g, d = queries.shape[1], queries.shape[2], queries.shape[3]
         if bias is not None:
             bias = bias.reshape(-1, g, bias.shape[-1])
         out = _codec.coded_attend(
-            kencs,
-            _stream_major(vb)[0],
+            kr.layers,
+            vr.layers,
             streams,
             _np(queries.reshape(streams, g, d)),
             _np(ek.reshape(streams, -1, d)),
@@ -311,21 +321,26 @@ class Pipeline:
             scaling,
             key_frames=_np_or_none(key_frames),
             rotation=_np_or_none(rotation),
-            key_norms=self._norm_codes(kb, "k"),
+            key_norms=kr.norms,
             value_frames=_np_or_none(value_frames),
-            value_norms=self._norm_codes(vb, "v"),
+            value_norms=vr.norms,
             bias=_np_or_none(bias),
             softcap=softcap,
         )
         return torch.from_numpy(out).view(rows, h, g, d)
 
-    def _norm_codes(self, blocks: list[CodedBlock], stream: str):
-        """The blocks' token norms as the codec's kernels take them (their codes, decoded in
-        the kernels), or None for a stream coded without them."""
-        if not self.recipe.token_norms(stream):
-            return None
-        arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
-        return [c for c, _ in arrays], [b for _, b in arrays]
+    def run_of(self, blocks: list[CodedBlock] | BlockRun, stream: str) -> BlockRun:
+        """``blocks`` of ``stream`` laid out for the attention kernels (a :class:`BlockRun` is
+        returned as it is)."""
+        if isinstance(blocks, BlockRun):
+            return blocks
+        encs, streams = _stream_major(blocks)
+        norms = None
+        if self.recipe.token_norms(stream):  # their codes, decoded in the kernels
+            arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
+            norms = [c for c, _ in arrays], [b for _, b in arrays]
+        tokens = sum(blk.tokens for blk in blocks)
+        return BlockRun(_codec.core_layers(encs), streams, norms, tokens)
 
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
@@ -448,6 +463,8 @@ def _stream_major(blocks: Sequence[CodedBlock]) -> tuple[list, int]:
 
 def _np(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous float32 numpy view of a CPU tensor (a copy only where it must)."""
+    if t.dtype is torch.float32 and not t.requires_grad and t.is_contiguous():
+        return t.numpy()  # the common case, without three no-op tensor calls
     return t.detach().to(torch.float32).contiguous().numpy()
 
 

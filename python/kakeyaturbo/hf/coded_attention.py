@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..pipeline import BlockRun
+
 #: Where attention over the codes computes on the CPU: with the codec's kernels (each block
 #: decoded into a cache-sized scratch and finished there, no decoded copy of the layer; the
 #: default), or with torch ops over the decoded frame coordinates, as on other devices.
@@ -47,17 +49,52 @@ CPU_KERNELS = True
 WHOLE_ATTENTION_ROWS = 64
 
 
+@dataclass(frozen=True, eq=False)
+class LayerBlocks:
+    """A layer's blocks as attention over the codes reads them. A cache's blocks change only
+    when it compresses, crops or selects rows, so the layer builds this then (``of``) and every
+    step reuses it, instead of laying the blocks out again per layer and step."""
+
+    blocks: list  # the layer's _Block objects, oldest first (a copy of its list)
+    sinks: torch.Tensor | None  # [B, S] bool: sinks whose slot is in a block (held exact here)
+    keys: BlockRun  # the blocks' keys and values laid out for the codec's kernels
+    values: BlockRun
+    # The blocks' stored positions as CodedView._rotation compares them (empty without RoPE).
+    positions: tuple
+
+    @classmethod
+    def of(cls, layer: Any, sinks: torch.Tensor | None) -> LayerBlocks:
+        blocks, pipe = list(layer._blocks), layer._ctx.pipeline
+        positions = ()
+        if layer._rope is not None:
+            positions = tuple((blk.pos.shape, blk.pos_key) for blk in blocks)
+        return cls(
+            blocks,
+            sinks,
+            pipe.run_of([blk.k for blk in blocks], "k"),
+            pipe.run_of([blk.v for blk in blocks], "v"),
+            positions,
+        )
+
+
 @dataclass(eq=False)
 class CodedView:
     """One layer's blocks as they were when this forward's ``update`` ran."""
 
     layer: Any  # the KakeyaLayer (layer.py imports this module)
-    blocks: list  # its _Block objects, oldest first
-    sinks: torch.Tensor | None  # [B, S] bool: sinks whose slot is in a block (held exact here)
+    held: LayerBlocks
+
+    @property
+    def blocks(self) -> list:
+        return self.held.blocks
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        return self.held.sinks
 
     @property
     def coded_length(self) -> int:
-        return sum(blk.k.tokens for blk in self.blocks)
+        return self.held.keys.tokens
 
     def exact_part(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's exact keys and values for this forward: sinks held beside the blocks
@@ -96,8 +133,10 @@ class CodedView:
         if kernels and g * tq <= WHOLE_ATTENTION_ROWS:
             out = self._codec_attend(q, (key, value), attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
-        kb = [blk.k for blk in self.blocks]
-        coded = self._codec_logits(q, kb) if kernels else self._torch_logits(q, kb, dev)
+        if kernels:
+            coded = self._codec_logits(q, self.held.keys)
+        else:
+            coded = self._torch_logits(q, [blk.k for blk in self.blocks], dev)
         scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
         scores.mul_(scaling)
         if softcap is not None:
@@ -108,11 +147,10 @@ class CodedView:
         # A query row with every key masked (a padded row) gets zeros, not NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).view(b, h, g * tq, -1)
 
-        vb = [blk.v for blk in self.blocks]
         if kernels:
-            out = pipe.value_sums(vb, b, probs[..., :clen])
+            out = pipe.value_sums(self.held.values, b, probs[..., :clen])
         else:
-            values, v_scale = pipe.decode_codes(vb, "v", b)
+            values, v_scale = pipe.decode_codes([blk.v for blk in self.blocks], "v", b)
             weights = probs[..., :clen]
             if v_scale is not None:
                 weights = weights * v_scale.to(dev)[:, :, None]
@@ -146,7 +184,7 @@ class CodedView:
         # scored by the same query, which the frame cannot be folded into for them.)
         bias = self._kernel_bias(mask, (b, h, rows // tq, tq), key.shape[-2], q.device)
         return pipe.attend(
-            ([blk.k for blk in self.blocks], [blk.v for blk in self.blocks]),
+            (self.held.keys, self.held.values),
             b,
             q,
             (key.float(), value.float()),
@@ -158,7 +196,7 @@ class CodedView:
             softcap=softcap,
         )
 
-    def _codec_logits(self, q: torch.Tensor, kb: list) -> torch.Tensor:
+    def _codec_logits(self, q: torch.Tensor, kb: BlockRun) -> torch.Tensor:
         """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by
         block (decode, frame, RoPE, dot) with no decoded copy of the layer: the CPU path."""
         lay = self.layer
@@ -225,7 +263,7 @@ class CodedView:
         make = rope.rotation if form == "complex" else rope.split_rotation
         dev = blocks[0].pos.device
         return self._shared(
-            ("rotation", form, tuple((blk.pos.shape, blk.pos_key) for blk in blocks)),
+            ("rotation", form, self.held.positions),
             (rope.inv_freq,),
             lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
         )
@@ -274,7 +312,7 @@ class CodedView:
         memo = self.layer._ctx.step.shared
         for k, ts, value in memo:
             if k == key and all(
-                a.shape == t.shape and torch.equal(a, t) for a, t in zip(ts, tensors)
+                a is t or (a.shape == t.shape and torch.equal(a, t)) for a, t in zip(ts, tensors)
             ):
                 return value
         value = make()

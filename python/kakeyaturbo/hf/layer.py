@@ -41,7 +41,7 @@ import torch
 from ..pipeline import CodedBlock, Pipeline
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
-from .coded_attention import CodedView
+from .coded_attention import CodedView, LayerBlocks
 from .rope import RotarySpec
 
 
@@ -59,6 +59,9 @@ class StepInputs:
     # What every layer's attention over the codes would compute alike (RoPE angles of the
     # coded positions, the mask's bias): computed once per forward.
     shared: list = field(default_factory=list)
+    # The arriving tokens' RoPE positions, as the last layer made them: ((tokens, first slot,
+    # rows), positions); every layer of a forward asks for the same ones.
+    positions: tuple | None = None
 
 
 @dataclass
@@ -152,10 +155,13 @@ class KakeyaLayer(CacheLayerMixin):
         # Tensors below are None until the first update (typed Any: set by lazy_initialization).
         self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
         self.is_initialized = False
-        self._hot_k: Any = None  # [B, H, T_hot, D] hot dtype (the model's unless set)
+        # The hot window, set together by _set_hot: [B, H, T_hot, D] in the hot dtype (the
+        # model's unless set); [B, T_hot] int32 positions, pre-RoPE mode only.
+        self._hot_k: Any = None
         self._hot_v: Any = None
-        self._hot_pos: Any = None  # [B, T_hot] int32, pre-RoPE mode only
+        self._hot_pos: Any = None
         self._blocks: list[_Block] = []
+        self._held: LayerBlocks | None = None  # the blocks as attention reads them (lazy)
         self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
         self._sink_end = 0  # past the last sink slot (rows selected later may end sooner)
         self._sink_k: Any = None  # [B, S, H, D] exact sink keys/values
@@ -179,16 +185,48 @@ class KakeyaLayer(CacheLayerMixin):
         b, h, _, _ = key_states.shape
         self._rows, self._heads = b, h
         hot = self._ctx.hot_dtype or key_states.dtype
-        self._hot_k = key_states[:, :, :0].to(hot).clone()
-        self._hot_v = value_states[:, :, :0].to(hot).clone()
+        pos = None
         if self._rope is not None:
-            self._hot_pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
+            pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
+        self._set_hot(
+            key_states[:, :, :0].to(hot).clone(), value_states[:, :, :0].to(hot).clone(), pos
+        )
         self.is_initialized = True
 
     @property
     def compressed_length(self) -> int:
         """Tokens held in compressed blocks."""
         return len(self._blocks) * self.block_size
+
+    def _set_hot(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> None:
+        """Make ``k``, ``v``, ``pos`` (owned by the layer from now on) the hot window."""
+        self._hot_k, self._hot_v, self._hot_pos = k, v, pos
+
+    def _keep_hot(self, lo: int, hi: int) -> None:
+        """Keep hot tokens ``lo..hi`` only (copied: a view would keep the whole window)."""
+        pos = self._hot_pos
+        self._set_hot(
+            self._hot_k[:, :, lo:hi].clone(),
+            self._hot_v[:, :, lo:hi].clone(),
+            None if pos is None else pos[:, lo:hi].clone(),
+        )
+
+    def _append_hot(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> None:
+        """Append tokens to the hot window (rounded to the hot dtype, if one is set). A copy of
+        the window per step: spare room to append in place would be bytes held (16 spare tokens
+        would be about 1% of what the cache holds at 8k tokens)."""
+        hot_k, hot_v, hot_pos = self._hot_k, self._hot_v, self._hot_pos
+        self._set_hot(
+            torch.cat([hot_k, k.to(hot_k.dtype)], dim=-2),
+            torch.cat([hot_v, v.to(hot_v.dtype)], dim=-2),
+            None if pos is None else torch.cat([hot_pos, pos], dim=-1),
+        )
+
+    def _held_blocks(self) -> LayerBlocks:
+        """The blocks as attention over the codes reads them, built once per change of them."""
+        if self._held is None:
+            self._held = LayerBlocks.of(self, self._sinks_in_blocks())
+        return self._held
 
     # ---- CacheLayerMixin API ---------------------------------------------------------------------
 
@@ -216,7 +254,7 @@ class KakeyaLayer(CacheLayerMixin):
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
             # blocks as they are now (this forward's flush comes after) and return only the
             # exact part. (A decoded budget asks for decoded blocks to be kept: the dense path.)
-            view = CodedView(self, list(self._blocks), self._sinks_in_blocks())
+            view = CodedView(self, self._held_blocks())
             self._ctx.step.coded[self.layer_idx] = view
             full_k, full_v = view.exact_part(key_states, value_states)
         else:
@@ -226,10 +264,7 @@ class KakeyaLayer(CacheLayerMixin):
             full_v = torch.cat([*old_v, hot_v, value_states], dim=-2)
             self._overwrite_sinks(full_k, full_v, 0, self.compressed_length, 0)
 
-        self._hot_k = torch.cat([self._hot_k, key_states.to(self._hot_k.dtype)], dim=-2)
-        self._hot_v = torch.cat([self._hot_v, value_states.to(self._hot_v.dtype)], dim=-2)
-        if positions is not None:
-            self._hot_pos = torch.cat([self._hot_pos, positions], dim=-1)
+        self._append_hot(key_states, value_states, positions)
         self._len += q
         self._flush()
         return full_k, full_v
@@ -280,14 +315,11 @@ class KakeyaLayer(CacheLayerMixin):
             return
         self._drop_buffer()  # rebuilt lazily by the next update
         self._buf_refused = False
+        self._held = None
         new_len = max(self._len + tokens_to_remove, 0)
         clen = self.compressed_length
         if new_len >= clen:
-            keep = new_len - clen
-            self._hot_k = self._hot_k[:, :, :keep].clone()
-            self._hot_v = self._hot_v[:, :, :keep].clone()
-            if self._hot_pos is not None:
-                self._hot_pos = self._hot_pos[:, :keep].clone()
+            self._keep_hot(0, new_len - clen)
         else:
             whole, rest = divmod(new_len, self.block_size)
             tail = self._blocks[whole] if rest else None
@@ -297,8 +329,11 @@ class KakeyaLayer(CacheLayerMixin):
                 self._drop_decoded(blk)
             self._blocks = self._blocks[:whole]
             if tail is not None:
-                self._hot_k = tk[:, :, :rest].to(self._hot_k.dtype).clone()
-                self._hot_v = tv[:, :, :rest].to(self._hot_v.dtype).clone()
+                self._set_hot(
+                    tk[:, :, :rest].to(self._hot_k.dtype).clone(),
+                    tv[:, :, :rest].to(self._hot_v.dtype).clone(),
+                    None if self._hot_pos is None else tail.positions[:, :rest].clone(),
+                )
                 # Sinks were encoded as the block mean: put the exact ones back.
                 self._overwrite_sinks(
                     self._hot_k,
@@ -307,13 +342,8 @@ class KakeyaLayer(CacheLayerMixin):
                     new_len,
                     whole * self.block_size,
                 )
-                if self._hot_pos is not None:
-                    self._hot_pos = tail.positions[:, :rest].clone()
             else:
-                self._hot_k = self._hot_k[:, :, :0].clone()
-                self._hot_v = self._hot_v[:, :, :0].clone()
-                if self._hot_pos is not None:
-                    self._hot_pos = self._hot_pos[:, :0].clone()
+                self._keep_hot(0, 0)
         # Sinks at slots >= new_len are re-captured when those slots are written again.
         self._len = new_len
 
@@ -351,6 +381,8 @@ class KakeyaLayer(CacheLayerMixin):
         )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
         aux += sum(_storage_bytes(b.pos) for b in self._blocks)
+        if self._held is not None:  # which sinks sit in blocks, kept for attention
+            aux += _storage_bytes(self._held.sinks)
         # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
         if self._rope is not None and self.is_initialized:
             aux += _storage_bytes(self._rope.inv_freq)
@@ -406,6 +438,7 @@ class KakeyaLayer(CacheLayerMixin):
                 idx[r] = start + torch.cat([real, pad_after])
         self._sink_idx = idx.to(self.device)
         self._sink_end = int(idx.max()) + 1
+        self._held = None
         h = self._heads
         self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
         self._sink_v = self._hot_v.new_zeros((b, s, h, self._hot_v.shape[-1]))
@@ -436,7 +469,14 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _step_positions(self, q: int, start: int) -> torch.Tensor:
         """RoPE positions of the tokens arriving now: the forward's position_ids when the model
-        hook saw them, else start..start+q (what the model itself uses without position_ids)."""
+        hook saw them, else start..start+q (what the model itself uses without position_ids).
+        Every layer of a forward asks for the same ones: made once (never written to)."""
+        step, key = self._ctx.step, (q, start, self._rows)
+        if step.positions is None or step.positions[0] != key:
+            step.positions = (key, self._new_positions(q, start))
+        return step.positions[1]
+
+    def _new_positions(self, q: int, start: int) -> torch.Tensor:
         pos = self._ctx.step.position_ids
         if pos is not None:
             if pos.dim() != 2:
@@ -486,6 +526,7 @@ class KakeyaLayer(CacheLayerMixin):
         # newest residual_length tokens are held exact instead).
         enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
         enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks)
+        self._held = None
         for j in range(n):
             blk = _Block.holding(
                 enc_k[j], enc_v[j], None if pos is None else pos[:, j * bs : (j + 1) * bs]
@@ -495,10 +536,7 @@ class KakeyaLayer(CacheLayerMixin):
                 # Decoded into the buffer at the next update: the forward in flight still
                 # attends to the exact tokens, as it does without a buffer.
                 self._buf_pending.append(blk)
-        self._hot_k = self._hot_k[:, :, t:].clone()
-        self._hot_v = self._hot_v[:, :, t:].clone()
-        if self._hot_pos is not None:
-            self._hot_pos = self._hot_pos[:, t:].clone()
+        self._keep_hot(t, self._hot_k.shape[-2])
 
     def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``blocks`` (one batched call per K/V) -> [B, H, n*bs, D] in the model dtype;
@@ -621,6 +659,7 @@ class KakeyaLayer(CacheLayerMixin):
         rows_dev = rows.to(self.device)
         h = self._heads
         order = rows.tolist()
+        self._held = None
         if self._buf_k is not None:
             if len(order) == self._rows:  # beam reorder: same bytes, keep the buffer
                 self._buf_k = self._buf_k.index_select(0, rows_dev)
@@ -628,10 +667,12 @@ class KakeyaLayer(CacheLayerMixin):
             else:
                 self._drop_buffer()
                 self._buf_refused = False
-        self._hot_k = self._hot_k.index_select(0, rows_dev)
-        self._hot_v = self._hot_v.index_select(0, rows_dev)
-        if self._hot_pos is not None:
-            self._hot_pos = self._hot_pos.index_select(0, rows_dev)
+        pos = self._hot_pos
+        self._set_hot(
+            self._hot_k.index_select(0, rows_dev),
+            self._hot_v.index_select(0, rows_dev),
+            None if pos is None else pos.index_select(0, rows_dev),
+        )
         if self._sink_idx is not None:
             self._sink_idx = self._sink_idx.index_select(0, rows_dev)
             self._sink_k = self._sink_k.index_select(0, rows_dev)
