@@ -371,7 +371,8 @@ def main(argv=None) -> None:
         "\nvs bf16 = DynamicCache's KV bytes in bf16 / method bytes (same tokens); "
         "vs dyn = decode tok/s / DynamicCache's; top1, KL: teacher-forced on DynamicCache's "
         "greedy continuation, against its logits; peak MiB: rise of the process's peak RSS "
-        "during the call (prefill activations included)."
+        "during the call (prefill activations included), in this process after the methods "
+        "before it (benches/peak_memory.py measures each in a fresh process)."
     )
     for ctx in args.contexts:
         q = next((r for r in rows if r[0] == ctx and r[1].startswith("QuantizedCache")), None)

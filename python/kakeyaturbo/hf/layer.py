@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..pipeline import CodedBlock, Pipeline
+from . import heap
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
 from .coded_attention import CodedView, LayerBlocks
@@ -536,7 +537,10 @@ class KakeyaLayer(CacheLayerMixin):
                 # Decoded into the buffer at the next update: the forward in flight still
                 # attends to the exact tokens, as it does without a buffer.
                 self._buf_pending.append(blk)
-        self._keep_hot(t, self._hot_k.shape[-2])
+        k, v = self._hot_k, self._hot_v
+        coded = t * self._rows * self._heads * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        self._keep_hot(t, k.shape[-2])
+        heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
 
     def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``blocks`` (one batched call per K/V) -> [B, H, n*bs, D] in the model dtype;
