@@ -213,3 +213,30 @@ def test_coded_attention_other_architectures(
         v_params=p,
         residual_length=32,
     )
+
+
+@torch.inference_mode()
+def test_crop_into_blocks_after_coded_steps_matches_decoding(model, attend_calls):
+    """A forward over the codes keeps the layer's blocks as attention reads them; cropping into
+    the blocks must drop that, or the next forward reads blocks that are gone."""
+    ids, mask = padded_batch(model.config.vocab_size)
+    kw = {"recipe": RECIPE, "residual_length": 64}
+    runs = []
+    for coded in (False, True):
+        cache = KakeyaCache.from_model(model, coded_attention=coded, **kw)
+        model(ids[:, :600], attention_mask=mask[:, :600], past_key_values=cache)
+        model(ids[:, 600:601], attention_mask=mask[:, :601], past_key_values=cache)
+        cache.crop(-(601 - 450))  # into block 7 (slots 448..511): two of its tokens back hot
+        assert cache.layers[0].compressed_length == 448
+        runs.append(
+            [
+                model(
+                    ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache
+                ).logits
+                for t in range(450, 453)
+            ]
+        )
+    layers = model.config.num_hidden_layers
+    assert attend_calls == [512] * layers + [448] * (3 * layers)  # before the crop, and after
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
