@@ -192,6 +192,38 @@ def test_whole_attention_equals_the_softmax_over_decoded_tokens(softcap):
     assert (got[1, :, G - 1] == 0).all()
 
 
+def test_exact_runs_read_as_held_equal_one_float32_array():
+    """A cache hands its exact tokens over as runs: sinks and a bfloat16 hot window as held
+    (raw bits), then the new tokens in float32. The kernel must read them as the one float32
+    array of the same values: bit for bit, since widening bfloat16 is exact."""
+    kencs, _ = coded_stream_major(5)
+    vencs, _ = coded_stream_major(6)
+    s, g = ROWS * HEADS, torch.Generator().manual_seed(11)
+    q = torch.randn(s, G, D, generator=g).numpy()
+    runs = {}
+    for name in ("k", "v"):
+        hot = torch.randn(s, 9, D, generator=g).bfloat16()
+        new = torch.randn(s, 1, D, generator=g)
+        bits = hot.view(torch.int16).numpy().view(np.uint16)
+        held = [np.ascontiguousarray(bits[:, :4]), np.ascontiguousarray(bits[:, 4:])]
+        runs[name] = ([*held, new.numpy()], torch.cat((hot.float(), new), 1))
+    for k in (runs["k"][0], tuple(runs["k"][0])):  # a list or a tuple of runs
+        got = coded_attend(kencs, vencs, s, q, k, runs["v"][0], 0.125)
+        want = coded_attend(
+            kencs, vencs, s, q, runs["k"][1].numpy(), runs["v"][1].numpy(), 0.125
+        )
+        assert np.array_equal(got, want)
+    # The runs' counts must match, and each run be float32 or bfloat16 bits, C-contiguous.
+    with pytest.raises(ValueError, match="exact_values: 2 runs for the 3 runs"):
+        coded_attend(kencs, vencs, s, q, runs["k"][0], runs["v"][0][1:], 0.125)
+    ints, v = [runs["k"][1].numpy().astype(np.int16)], [runs["v"][1].numpy()]
+    with pytest.raises(TypeError, match="exact_keys"):
+        coded_attend(kencs, vencs, s, q, ints, v, 0.125)
+    strided = [runs["k"][1].numpy()[:, ::2]]  # every other token: not C-contiguous
+    with pytest.raises(TypeError, match="exact_keys"):
+        coded_attend(kencs, vencs, s, q, strided, [v[0][:, ::2].copy()], 0.125)
+
+
 def test_whole_attention_refuses_bad_inputs_by_name():
     encs, y = coded_stream_major(8)
     s, t = ROWS * HEADS, y.shape[1]

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``kakeyaturbo._core`` (checked by mypy.stubtest in CI)."""
 
-from typing import Any, Optional, Sequence, TypeAlias, final
+from typing import Any, Optional, Sequence, TypeAlias, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -166,13 +166,17 @@ def coded_value_sums(
     weights: npt.NDArray[np.float32],
     norms: Optional[_Norms] = None,
 ) -> npt.NDArray[np.float32]: ...
+# One [streams, n, head_dim] run, float32 or raw bfloat16 bits, or a list of runs in order.
+_ExactRun = Union[npt.NDArray[np.float32], npt.NDArray[np.uint16]]
+_ExactRuns = Union[_ExactRun, Sequence[_ExactRun]]
+
 def coded_attend(
     key_encs: Sequence[EncodedLayer],
     value_encs: Sequence[EncodedLayer],
     streams: int,
     queries: npt.NDArray[np.float32],
-    exact_keys: npt.NDArray[np.float32],
-    exact_values: npt.NDArray[np.float32],
+    exact_keys: _ExactRuns,
+    exact_values: _ExactRuns,
     scaling: float,
     *,
     key_frames: Optional[npt.NDArray[np.float32]] = None,

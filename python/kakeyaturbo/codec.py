@@ -289,8 +289,8 @@ def coded_attend(
     value_encs: Sequence[EncodedLayer],
     streams: int,
     queries: np.ndarray,
-    exact_keys: np.ndarray,
-    exact_values: np.ndarray,
+    exact_keys: Any,
+    exact_values: Any,
     scaling: float,
     *,
     key_frames: Optional[np.ndarray] = None,
@@ -303,7 +303,9 @@ def coded_attend(
 ) -> np.ndarray:
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
-    by the exact ``exact_keys`` / ``exact_values`` ``[streams, exact, head_dim]``:
+    by the exact ``exact_keys`` / ``exact_values`` ``[streams, exact, head_dim]`` (or lists of
+    such runs in token order; each float32, or uint16 holding raw bfloat16 bits, which the
+    kernel widens as it reads them):
     ``softmax(softcap(scaling * logits) + bias) @ values``, the value sums turned out of the
     frame by ``value_frames`` ``[heads, head_dim, head_dim]``. ``bias`` ``[bias rows, rows,
     tokens + exact]`` (stream ``s`` reads row ``s // (streams // bias rows)``; ``-inf`` masks);

@@ -290,7 +290,7 @@ class Pipeline:
         kv_blocks: tuple[list[CodedBlock] | BlockRun, list[CodedBlock] | BlockRun],
         rows: int,
         queries: torch.Tensor,
-        exact: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[torch.Tensor | list, torch.Tensor | list],
         scaling: float,
         *,
         key_frames: Optional[torch.Tensor] = None,
@@ -302,7 +302,9 @@ class Pipeline:
         """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
         keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
         ``[rows, H, E, D]``, computed by the codec (:meth:`key_logits`, a softmax, then
-        :meth:`value_sums` turned out of the frame by ``value_frames``, plus the exact part).
+        :meth:`value_sums` turned out of the frame by ``value_frames``, plus the exact part;
+        ``exact`` keys and values may each be a list of runs ``[rows, H, n_i, D]`` in token
+        order, and a bfloat16 run is read as held, with no float32 copy).
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
         few query rows of a decode step. CPU float32."""
@@ -316,8 +318,8 @@ class Pipeline:
             vr.layers,
             streams,
             _np(queries.reshape(streams, g, d)),
-            _np(ek.reshape(streams, -1, d)),
-            _np(ev.reshape(streams, -1, d)),
+            _runs_np(ek, streams, d),
+            _runs_np(ev, streams, d),
             scaling,
             key_frames=_np_or_none(key_frames),
             rotation=_np_or_none(rotation),
@@ -466,6 +468,19 @@ def _np(t: torch.Tensor) -> np.ndarray:
     if t.dtype is torch.float32 and not t.requires_grad and t.is_contiguous():
         return t.numpy()  # the common case, without three no-op tensor calls
     return t.detach().to(torch.float32).contiguous().numpy()
+
+
+def _runs_np(runs: Any, streams: int, d: int) -> list:
+    """Exact keys or values (a tensor, or a list of runs in token order) as the codec takes
+    them: ``[streams, n, d]`` arrays, float32, or a bfloat16 run as its raw bits (uint16)."""
+    out = []
+    for t in [runs] if isinstance(runs, torch.Tensor) else runs:
+        t = t.detach().reshape(streams, -1, d)
+        if t.dtype is torch.bfloat16:
+            out.append(t.contiguous().view(torch.int16).numpy().view(np.uint16))
+        else:
+            out.append(_np(t))
+    return out
 
 
 def _np_or_none(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:

@@ -83,6 +83,9 @@ class CodedView:
 
     layer: Any  # the KakeyaLayer (layer.py imports this module)
     held: LayerBlocks
+    # The layer's exact tokens before this forward's (sinks held beside the blocks, hot
+    # window): keys and values as runs in token order, as held (set by exact_part).
+    runs: tuple = ((), ())
 
     @property
     def blocks(self) -> list:
@@ -97,16 +100,18 @@ class CodedView:
         return self.held.keys.tokens
 
     def exact_part(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's exact keys and values for this forward: sinks held beside the blocks
-        (all ``S`` of them; :meth:`attend` masks those that are not in a block), hot window,
-        new tokens."""
+        """What ``update`` returns for this forward: the new tokens ``k``, ``v``. The layer's
+        other exact tokens, the sinks held beside the blocks (all ``S`` of them; :meth:`attend`
+        masks those that are not in a block) and the hot window, are kept here as runs as they
+        are held (a bfloat16 window stays bfloat16: the codec reads it so, with no float32
+        copy per step), and :meth:`attend` puts them before the new ones."""
         lay = self.layer
-        ks, vs = [lay._hot_k, k], [lay._hot_v, v]
+        ks, vs = [lay._hot_k], [lay._hot_v]
         if self.sinks is not None:
-            ks.insert(0, lay._sink_k.transpose(1, 2))
-            vs.insert(0, lay._sink_v.transpose(1, 2))
-        # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
-        return torch.cat(ks, dim=-2).to(k.dtype), torch.cat(vs, dim=-2).to(v.dtype)
+            ks.insert(0, lay._sink_k.transpose(1, 2).contiguous())
+            vs.insert(0, lay._sink_v.transpose(1, 2).contiguous())
+        self.runs = (ks, vs)
+        return k, v
 
     def attend(
         self,
@@ -118,7 +123,8 @@ class CodedView:
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, Tq, Hq, D]`` (query dtype) of ``query`` ``[B, Hq, Tq, D]``
-        over the blocks and the exact part ``key``/``value`` (from :meth:`exact_part`)."""
+        over the blocks, the exact tokens held (:attr:`runs`) and the new ones, ``key`` /
+        ``value`` (what :meth:`exact_part` returned)."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         b, hq, tq, d = query.shape
@@ -128,11 +134,14 @@ class CodedView:
         g, dev = hq // h, query.device
         clen = self.coded_length
         q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
+        keys, values = [*self.runs[0], key], [*self.runs[1], value]
 
         kernels = CPU_KERNELS and dev.type == "cpu"
         if kernels and g * tq <= WHOLE_ATTENTION_ROWS:
-            out = self._codec_attend(q, (key, value), attention_mask, scaling, softcap, tq)
+            out = self._codec_attend(q, (keys, values), attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+        # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
+        key, value = torch.cat(keys, dim=-2).float(), torch.cat(values, dim=-2).float()
         if kernels:
             coded = self._codec_logits(q, self.held.keys)
         else:
@@ -164,30 +173,32 @@ class CodedView:
     def _codec_attend(
         self,
         q: torch.Tensor,
-        exact: tuple[torch.Tensor, torch.Tensor],
+        exact: tuple[list, list],
         mask: Any,
         scaling: float,
         softcap: float | None,
         tq: int,
     ) -> torch.Tensor:
-        """The whole attention ``[B, H, g*Tq, D]`` by the codec (``Pipeline.attend``): the
-        CPU path for few query rows."""
+        """The whole attention ``[B, H, g*Tq, D]`` by the codec (``Pipeline.attend``) over the
+        blocks and the exact runs ``exact`` (keys, values: lists of ``[B, H, n, D]``, as
+        held): the CPU path for few query rows."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
-        (key, value), (b, h, rows, _) = exact, q.shape
+        (keys, values), (b, h, rows, _) = exact, q.shape
         frame = pipe.frame_inverse(li, "k")
         rotation = None
         if lay._rope is not None:  # the exact keys follow the query into the paired order
-            frame, (q, key) = self._split_layout(frame, q, key)
+            frame, (q, *keys) = self._split_layout(frame, q, *keys)
             rotation = self._rotation("split")
         # (Keys coded post-RoPE go through the frame per token here: the exact keys are
         # scored by the same query, which the frame cannot be folded into for them.)
-        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), key.shape[-2], q.device)
+        n_exact = sum(k.shape[-2] for k in keys)
+        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, q.device)
         return pipe.attend(
             (self.held.keys, self.held.values),
             b,
             q,
-            (key.float(), value.float()),
+            (keys, values),
             scaling,
             key_frames=frame,
             rotation=rotation,

@@ -2,7 +2,9 @@
 //! bindings of `kakeyaturbo::coded_attention`, run with the GIL released.
 
 use half::f16;
-use kakeyaturbo::coded_attention::{self as core, Attend, CodedStreams, Norms, RopeAngles};
+use kakeyaturbo::coded_attention::{
+    self as core, Attend, CodedStreams, ExactPiece, Lanes, Norms, RopeAngles,
+};
 use kakeyaturbo::EncodedLayer;
 use numpy::ndarray::Dimension;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
@@ -30,6 +32,44 @@ fn f32_array<'py, D: Dimension>(
         return Err(type_error(arg, want()));
     }
     Ok(a)
+}
+
+/// One run of exact keys or values, `[streams, n, head_dim]`, C-contiguous: float32, or raw
+/// bfloat16 bits as uint16.
+enum ExactRun<'py> {
+    F32(PyReadonlyArray<'py, f32, numpy::Ix3>),
+    Bf16(PyReadonlyArray<'py, u16, numpy::Ix3>),
+}
+
+impl ExactRun<'_> {
+    fn lanes(&self) -> PyResult<Lanes<'_>> {
+        Ok(match self {
+            ExactRun::F32(a) => Lanes::F32(a.as_slice()?),
+            ExactRun::Bf16(a) => Lanes::Bf16(a.as_slice()?),
+        })
+    }
+}
+
+/// The runs of `exact_keys` or `exact_values`: one array, or a list or tuple of them in token
+/// order; a TypeError naming `arg` for anything else.
+fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<'py>>> {
+    let want = "expected a C-contiguous 3-D float32 array, or uint16 of raw bfloat16 bits (or a \
+                list of them, in token order)";
+    let one = |o: &Bound<'py, PyAny>| -> PyResult<ExactRun<'py>> {
+        let run = if let Ok(a) = o.extract::<PyReadonlyArray<'py, f32, numpy::Ix3>>() {
+            a.is_c_contiguous().then_some(ExactRun::F32(a))
+        } else if let Ok(a) = o.extract::<PyReadonlyArray<'py, u16, numpy::Ix3>>() {
+            a.is_c_contiguous().then_some(ExactRun::Bf16(a))
+        } else {
+            None
+        };
+        run.ok_or_else(|| type_error(arg, want))
+    };
+    if obj.is_instance_of::<pyo3::types::PyList>() || obj.is_instance_of::<pyo3::types::PyTuple>() {
+        obj.try_iter()?.map(|o| one(&o?)).collect()
+    } else {
+        Ok(vec![one(obj)?])
+    }
 }
 
 /// [`f32_array`] of an optional argument.
@@ -205,7 +245,9 @@ pub fn coded_value_sums<'py>(
 /// The attention output `[streams, rows, head_dim]` of `queries` `[streams, rows, head_dim]`
 /// over the coded keys and values (`key_encs`, `value_encs`, laid out as for
 /// `coded_key_logits`) and the exact `exact_keys` / `exact_values` `[streams, exact,
-/// head_dim]`: `softmax(scaling * logits (softcapped) + bias) @ values`, coded tokens first.
+/// head_dim]` (or lists of such runs in token order; each float32, or uint16 of raw bfloat16
+/// bits, read as held): `softmax(scaling * logits (softcapped) + bias) @ values`, coded tokens
+/// first.
 /// `bias`: `[bias rows, rows, tokens + exact]`, stream `s` reading row `s / (streams / bias
 /// rows)`; norms: float32 `[streams, tokens]` or `(codes, bounds)` lists per block; frames and
 /// rotation as for `coded_key_logits`, `value_frames` turning the sums out of the frame.
@@ -236,9 +278,26 @@ pub fn coded_attend<'py>(
     let values = CodedStreams::new(&vrefs, streams).map_err(|e| to_py_in("value_encs", e))?;
     let q = f32_array::<numpy::Ix3>(queries, "queries")?;
     let (ek, ev) = (
-        f32_array::<numpy::Ix3>(exact_keys, "exact_keys")?,
-        f32_array::<numpy::Ix3>(exact_values, "exact_values")?,
+        exact_runs(exact_keys, "exact_keys")?,
+        exact_runs(exact_values, "exact_values")?,
     );
+    if ek.len() != ev.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "exact_values: {} runs for the {} runs of exact_keys",
+            ev.len(),
+            ek.len()
+        )));
+    }
+    let exact = ek
+        .iter()
+        .zip(&ev)
+        .map(|(k, v)| {
+            Ok(ExactPiece {
+                keys: k.lanes()?,
+                values: v.lanes()?,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
     let (kf, vf, bias) = (
         opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?,
         opt_f32_array::<numpy::Ix3>(value_frames, "value_frames")?,
@@ -258,8 +317,7 @@ pub fn coded_attend<'py>(
         key_norms: norms_view(&kn)?,
         value_frames: with_lead(&vf)?,
         value_norms: norms_view(&vn)?,
-        exact_keys: ek.as_slice()?,
-        exact_values: ev.as_slice()?,
+        exact: &exact,
         bias: with_lead(&bias)?,
         scaling,
         softcap,

@@ -25,7 +25,7 @@ use criterion::{
 };
 use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
 use kakeyaturbo::coded_attention::{
-    attend, key_logits, value_sums, Attend, CodedStreams, Norms, RopeAngles,
+    attend, key_logits, value_sums, Attend, CodedStreams, ExactPiece, Norms, RopeAngles,
 };
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
@@ -380,6 +380,7 @@ fn bench_coded_attention(c: &mut Criterion) {
         // The whole attention of a decode step: both kernels (the same codes as keys and as
         // values), the softmax, the value frame and 64 exact tokens.
         let exact = common::kv_like(STREAMS * 64, d, SEED ^ 0xE);
+        let exact_runs = [ExactPiece::f32(&exact, &exact)];
         let whole = || Attend {
             queries: &q,
             rows: ROWS,
@@ -388,8 +389,7 @@ fn bench_coded_attention(c: &mut Criterion) {
             key_norms: None,
             value_frames: frame,
             value_norms: Some(Norms::Values(&norms)),
-            exact_keys: &exact,
-            exact_values: &exact,
+            exact: &exact_runs,
             bias: None,
             scaling: 0.125,
             softcap: None,

@@ -29,7 +29,7 @@ use crate::parallel;
 mod attend;
 mod norms;
 
-pub use attend::{attend, Attend};
+pub use attend::{attend, Attend, ExactPiece, Lanes};
 pub use norms::Norms;
 
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).

@@ -15,6 +15,83 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::parallel;
+use std::borrow::Cow;
+
+/// Exact keys or values of every stream, `[S, n, D]`: float32, or bfloat16 bits as a cache
+/// holds its newest tokens (read as they are held, with no float32 copy made by the caller).
+#[derive(Clone, Copy, Debug)]
+pub enum Lanes<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Lanes<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Lanes::F32(x) => x.len(),
+            Lanes::Bf16(x) => x.len(),
+        }
+    }
+
+    /// Appends values `lo..lo + n` as float32 to `out`.
+    fn extend_into(&self, lo: usize, n: usize, out: &mut Vec<f32>) {
+        match self {
+            Lanes::F32(x) => out.extend_from_slice(&x[lo..][..n]),
+            Lanes::Bf16(x) => {
+                let at = out.len();
+                out.resize(at + n, 0.0);
+                // bfloat16 is the top half of a float32: widening is exact (and vectorises).
+                for (o, &b) in out[at..].iter_mut().zip(&x[lo..][..n]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// One run of exact tokens, `[S, n, D]` keys and values; [`Attend::exact`] lists the runs in
+/// token order (e.g. sinks, a hot window held in bfloat16, the new tokens in float32).
+#[derive(Clone, Copy, Debug)]
+pub struct ExactPiece<'a> {
+    pub keys: Lanes<'a>,
+    pub values: Lanes<'a>,
+}
+
+impl<'a> ExactPiece<'a> {
+    /// A float32 run.
+    pub fn f32(keys: &'a [f32], values: &'a [f32]) -> Self {
+        Self {
+            keys: Lanes::F32(keys),
+            values: Lanes::F32(values),
+        }
+    }
+}
+
+/// Stream `s`'s exact keys (or values) of all runs, `[E, D]` float32: borrowed when there is
+/// one float32 run, else gathered (and widened) into one buffer.
+fn stream_lanes<'a>(
+    runs: &'a [ExactPiece<'a>],
+    pick: fn(&ExactPiece<'a>) -> Lanes<'a>,
+    s: usize,
+    s_n: usize,
+    d: usize,
+) -> Cow<'a, [f32]> {
+    if let [run] = runs {
+        if let Lanes::F32(x) = pick(run) {
+            let n = x.len() / s_n;
+            return Cow::Borrowed(&x[s * n..][..n]);
+        }
+    }
+    let total: usize = runs.iter().map(|r| pick(r).len() / s_n).sum();
+    let mut out = Vec::with_capacity(total);
+    for run in runs {
+        let lanes = pick(run);
+        let n = lanes.len() / s_n;
+        lanes.extend_into(s * n, n, &mut out);
+    }
+    debug_assert_eq!(out.len() % d.max(1), 0);
+    Cow::Owned(out)
+}
 
 /// The inputs of [`attend`] besides the coded streams. `S` streams, `R` query rows per stream,
 /// `T` coded and `E` exact tokens per stream, head dim `D`.
@@ -29,9 +106,9 @@ pub struct Attend<'a> {
     /// Value frames `[heads, D, D]` (None: identity): `v = y M`.
     pub value_frames: Option<(&'a [f32], usize)>,
     pub value_norms: Option<Norms<'a>>,
-    /// `[S, E, D]` each: keys and values held exact, in the coordinates of the output.
-    pub exact_keys: &'a [f32],
-    pub exact_values: &'a [f32],
+    /// Keys and values held exact, in the coordinates of the output: runs of `[S, n_i, D]`
+    /// each, `E = sum n_i` tokens in the order listed.
+    pub exact: &'a [ExactPiece<'a>],
     /// Additive bias `[Sb, R, T + E]` and `Sb` (dividing `S`: stream `s` reads bias row
     /// `s / (S / Sb)`); None: none. `-inf` masks a token.
     pub bias: Option<(&'a [f32], usize)>,
@@ -59,19 +136,14 @@ pub fn attend(
     if t_n == 0 || d == 0 {
         return Err(Error::Shape(format!("coded streams of {t_n} tokens x {d}")));
     }
-    let e_n = a.exact_keys.len() / (s_n * d);
-    check_len(
-        "exact_keys",
-        a.exact_keys.len(),
-        &[s_n, e_n, d],
-        "streams x exact x head_dim",
-    )?;
-    check_len(
-        "exact_values",
-        a.exact_values.len(),
-        &[s_n, e_n, d],
-        "streams x exact x head_dim",
-    )?;
+    let mut e_n = 0;
+    for run in a.exact {
+        let n = run.keys.len() / (s_n * d);
+        let shape = "streams x exact x head_dim";
+        check_len("exact_keys", run.keys.len(), &[s_n, n, d], shape)?;
+        check_len("exact_values", run.values.len(), &[s_n, n, d], shape)?;
+        e_n += n;
+    }
     check_frames("value_frames", a.value_frames, s_n, d)?;
     let l_n = t_n + e_n;
     if let Some((bias, sb)) = a.bias {
@@ -102,11 +174,12 @@ pub fn attend(
     // Per stream: the coded logits become their weights in place, the exact weights return.
     let exact_p: Vec<Vec<f32>> = parallel::map_chunks(&mut weights, r * t_n, |s, coded| {
         let mut exact = vec![0.0f32; r * e_n];
+        let keys = stream_lanes(a.exact, |r| r.keys, s, s_n, d);
         let args = Scores {
             coded,
             exact: &mut exact,
             q: &a.queries[s * r * d..][..r * d],
-            keys: &a.exact_keys[s * e_n * d..][..e_n * d],
+            keys: &keys,
             bias: a
                 .bias
                 .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]),
@@ -121,11 +194,12 @@ pub fn attend(
     let mut out = vec![0.0f32; s_n * r * d];
     parallel::map_chunks(&mut out, r * d, |s, out| {
         let m = frame_of(a.value_frames, s, d);
+        let values = stream_lanes(a.exact, |r| r.values, s, s_n, d);
         let args = Outputs {
             sums: &sums[s * r * d..][..r * d],
             frame: m,
             p: &exact_p[s],
-            values: &a.exact_values[s * e_n * d..][..e_n * d],
+            values: &values,
             d,
         };
         run_outputs(args, out);

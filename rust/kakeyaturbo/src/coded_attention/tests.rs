@@ -409,7 +409,32 @@ fn reference_attend(
     t_n: usize,
     d: usize,
 ) -> Vec<f32> {
-    let (r, e_n) = (a.rows, a.exact_keys.len() / (streams * d));
+    // The exact runs gathered per stream in float32 (bfloat16 widened), as the kernel reads them.
+    let gather = |values: bool| -> Vec<Vec<f32>> {
+        (0..streams)
+            .map(|s| {
+                let mut out = Vec::new();
+                for run in a.exact {
+                    let lanes = if values { run.values } else { run.keys };
+                    let n = match lanes {
+                        Lanes::F32(x) => x.len(),
+                        Lanes::Bf16(x) => x.len(),
+                    } / streams;
+                    match lanes {
+                        Lanes::F32(x) => out.extend_from_slice(&x[s * n..][..n]),
+                        Lanes::Bf16(x) => out.extend(
+                            x[s * n..][..n]
+                                .iter()
+                                .map(|&b| half::bf16::from_bits(b).to_f32()),
+                        ),
+                    }
+                }
+                out
+            })
+            .collect()
+    };
+    let (ek, ev) = (gather(false), gather(true));
+    let (r, e_n) = (a.rows, ek[0].len() / d);
     let l_n = t_n + e_n;
     let mut out = vec![0.0f32; streams * r * d];
     for s in 0..streams {
@@ -421,7 +446,7 @@ fn reference_attend(
                     if t < t_n {
                         logits[(s * r + j) * t_n + t] as f64
                     } else {
-                        let k = &a.exact_keys[(s * e_n + t - t_n) * d..][..d];
+                        let k = &ek[s][(t - t_n) * d..][..d];
                         q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum()
                     }
                 })
@@ -454,7 +479,7 @@ fn reference_attend(
                 }
             }
             for e in 0..e_n {
-                let v = &a.exact_values[(s * e_n + e) * d..][..d];
+                let v = &ev[s][e * d..][..d];
                 acc.iter_mut()
                     .zip(v)
                     .for_each(|(o, v)| *o += p[t_n + e] * *v as f64);
@@ -509,6 +534,28 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
     let q = normals(streams * r * d, 15);
     let ek = normals(streams * e_n * d, 16);
     let ev = normals(streams * e_n * d, 17);
+    // The exact tokens in two runs, as a cache hands them over: 3 in bfloat16 (its hot
+    // window, as held), then 2 in float32 (the new tokens).
+    let split = |x: &[f32]| -> (Vec<u16>, Vec<f32>) {
+        let (mut held, mut new) = (Vec::new(), Vec::new());
+        for row in x.chunks_exact(e_n * d) {
+            held.extend(
+                row[..3 * d]
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits()),
+            );
+            new.extend_from_slice(&row[3 * d..]);
+        }
+        (held, new)
+    };
+    let ((hk, nk), (hv, nv)) = (split(&ek), split(&ev));
+    let exact = [
+        ExactPiece {
+            keys: Lanes::Bf16(&hk),
+            values: Lanes::Bf16(&hv),
+        },
+        ExactPiece::f32(&nk, &nv),
+    ];
     // Batch-row bias (2 rows of 3 streams): some coded tokens masked, one row masked whole.
     let l_n = t_n + e_n;
     let mut bias = vec![0.0f32; 2 * r * l_n];
@@ -535,8 +582,7 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
             value_norms: Some(Norms::Codes(
                 vcodes.iter().map(|(c, b)| (&c[..], &b[..])).collect(),
             )),
-            exact_keys: &ek,
-            exact_values: &ev,
+            exact: &exact,
             bias: Some((&bias, 2)),
             scaling: 0.125,
             softcap,
@@ -570,6 +616,9 @@ fn attend_refuses_mismatched_inputs() {
     );
     let q = vec![0.5f32; 2 * 64];
     let ex = vec![0.0f32; 2 * 3 * 64];
+    let whole = [ExactPiece::f32(&ex, &ex)];
+    let short_values = [ExactPiece::f32(&ex, &ex[64..])];
+    let odd_keys = [ExactPiece::f32(&ex[1..], &ex)];
     let base = || Attend {
         queries: &q,
         rows: 1,
@@ -578,8 +627,7 @@ fn attend_refuses_mismatched_inputs() {
         key_norms: None,
         value_frames: None,
         value_norms: None,
-        exact_keys: &ex,
-        exact_values: &ex,
+        exact: &whole,
         bias: None,
         scaling: 1.0,
         softcap: None,
@@ -598,14 +646,14 @@ fn attend_refuses_mismatched_inputs() {
     let cases = [
         (
             Attend {
-                exact_values: &ex[64..],
+                exact: &short_values,
                 ..base()
             },
             "exact_values",
         ),
         (
             Attend {
-                exact_keys: &ex[1..],
+                exact: &odd_keys,
                 ..base()
             },
             "exact_keys",
