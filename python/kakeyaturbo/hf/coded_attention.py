@@ -1,10 +1,10 @@
 """Attention over a layer's compressed blocks without decoding them into dense keys and values.
 
 A :class:`~kakeyaturbo.hf.layer.KakeyaLayer` whose model attends through the ``"kakeya"``
-attention (``hf/attention.py``) returns only its exact tokens from ``update`` (the sinks that
-sit in blocks, the hot window, the new tokens) and leaves a :class:`CodedView` of its blocks for
-the attention of the same forward. :meth:`CodedView.attend` then computes one softmax over both
-parts:
+attention (``hf/attention.py``) returns only the new tokens from ``update`` and leaves a
+:class:`CodedView` for the attention of the same forward: its blocks, and its other exact tokens
+(the sinks that sit in blocks, the hot window) as they are held. :meth:`CodedView.attend` then
+computes one softmax over the coded and the exact tokens:
 
 - **keys** of the blocks are taken through the frame (one ``[D, D]`` product per head and token,
   into a channel order where each RoPE pair is ``(i, i + rot_dim/2)``), turned to their RoPE

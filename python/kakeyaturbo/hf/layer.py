@@ -15,8 +15,8 @@ exact beside the streams; the pipeline codes their block's mean in their place a
 written over their decoded slots.
 
 Attention over the codes (the default with ``KakeyaCache.from_model`` on an sdpa model): the model
-attends through the "kakeya" attention, and ``update`` returns only the exact tokens (sinks held
-in blocks, hot window, new tokens) and hands the blocks to that attention
+attends through the "kakeya" attention, and ``update`` returns only the new tokens and hands the
+blocks and the other exact tokens (sinks held in blocks, hot window) to that attention
 (``coded_attention.py``), which reads the codes without building dense keys or values.
 
 Decoding (every other caller, or a decoded budget): every step returns the whole
@@ -234,7 +234,9 @@ class KakeyaLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new states; return all keys and values of this layer (decoded + exact)."""
+        """Append new states; return all keys and values of this layer (decoded + exact), or,
+        when the model attends over the codes, only the new ones (that attention reads the
+        blocks and the held exact tokens from this forward's CodedView)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_states(key_states, value_states)
@@ -253,8 +255,9 @@ class KakeyaLayer(CacheLayerMixin):
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
         elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
-            # blocks as they are now (this forward's flush comes after) and return only the
-            # exact part. (A decoded budget asks for decoded blocks to be kept: the dense path.)
+            # blocks and the held exact tokens as they are now (this forward's flush and append
+            # come after) and return only the new tokens. (A decoded budget asks for decoded
+            # blocks to be kept: the dense path.)
             view = CodedView(self, self._held_blocks())
             self._ctx.step.coded[self.layer_idx] = view
             full_k, full_v = view.exact_part(key_states, value_states)
