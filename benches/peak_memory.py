@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from hf_generate import DEFAULT_MODEL, DEFAULT_TEXT, held_bytes, run  # noqa: E402
+from hf_generate import DEFAULT_MODEL, DEFAULT_TEXT, held_bytes, kakeya_factory, run  # noqa: E402
 
 METHODS = ("DynamicCache", "QuantizedCache(quanto,4b)", "kakeya")
 
@@ -42,7 +42,6 @@ def child(args) -> dict:
     """One measurement in this process: the peak rise and the bytes held."""
     from transformers import DynamicCache, QuantizedCache
 
-    from kakeyaturbo.hf import KakeyaCache
     from kakeyaturbo.modeling import load_model
 
     torch.set_num_threads(args.threads)
@@ -57,9 +56,7 @@ def child(args) -> dict:
             options["calibration"] = Calibration.load(args.calibration, model)
         if args.hot_dtype != "model":
             options["hot_dtype"] = getattr(torch, args.hot_dtype)
-
-        def make():
-            return KakeyaCache.from_model(model, **options)
+        make = kakeya_factory(model, 0, True, options)  # as hf_generate builds "kakeya"
     else:
         model.set_attn_implementation("sdpa")
         if args.child == "DynamicCache":

@@ -70,8 +70,14 @@ def _from_torch(t: Any, name: str) -> tuple[np.ndarray, bool, Origin]:
     # The codec runs on the CPU: CUDA tensors take one explicit device-to-host copy.
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
-        return np.from_dlpack(t.view(torch.int16)).view(np.uint16), True, origin
+        return bf16_bits(t), True, origin
     return np.from_dlpack(t), False, origin
+
+
+def bf16_bits(t: Any) -> np.ndarray:
+    """A contiguous CPU bfloat16 tensor's raw bits as a uint16 numpy view, no copy (numpy has
+    no bfloat16)."""
+    return np.from_dlpack(t.view(_torch().int16)).view(np.uint16)
 
 
 def from_core(values: np.ndarray, dtype: str, origin: Optional[Origin], out: Optional[str]) -> Any:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import codec as _codec
+from ._arrays import bf16_bits
 from ._runs import equal_runs
 from .norm_codes import NormCodes, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
@@ -476,10 +477,7 @@ def _runs_np(runs: Any, streams: int, d: int) -> list:
     out = []
     for t in [runs] if isinstance(runs, torch.Tensor) else runs:
         t = t.detach().reshape(streams, -1, d)
-        if t.dtype is torch.bfloat16:
-            out.append(t.contiguous().view(torch.int16).numpy().view(np.uint16))
-        else:
-            out.append(_np(t))
+        out.append(bf16_bits(t.contiguous()) if t.dtype is torch.bfloat16 else _np(t))
     return out
 
 

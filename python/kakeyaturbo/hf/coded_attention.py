@@ -134,19 +134,20 @@ class CodedView:
         g, dev = hq // h, query.device
         clen = self.coded_length
         q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
-        keys, values = [*self.runs[0], key], [*self.runs[1], value]
+        key_runs, value_runs = [*self.runs[0], key], [*self.runs[1], value]
 
         kernels = CPU_KERNELS and dev.type == "cpu"
         if kernels and g * tq <= WHOLE_ATTENTION_ROWS:
-            out = self._codec_attend(q, (keys, values), attention_mask, scaling, softcap, tq)
+            exact = (key_runs, value_runs)
+            out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
         # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
-        key, value = torch.cat(keys, dim=-2).float(), torch.cat(values, dim=-2).float()
+        key, value = torch.cat(key_runs, dim=-2).float(), torch.cat(value_runs, dim=-2).float()
         if kernels:
             coded = self._codec_logits(q, self.held.keys)
         else:
             coded = self._torch_logits(q, [blk.k for blk in self.blocks], dev)
-        scores = torch.cat((coded, q @ key.float().transpose(-1, -2)), dim=-1)
+        scores = torch.cat((coded, q @ key.transpose(-1, -2)), dim=-1)
         scores.mul_(scaling)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -167,7 +168,7 @@ class CodedView:
         frame = pipe.frame_inverse(li, "v")
         if frame is not None:
             out = out @ frame.to(dev)
-        out += probs[..., clen:] @ value.float()
+        out += probs[..., clen:] @ value
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
 
     def _codec_attend(

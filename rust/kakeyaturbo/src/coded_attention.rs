@@ -22,6 +22,8 @@
 //! what a portable wheel is built for) and, picked at run time, with AVX and FMA, whose dot
 //! product is written with AVX intrinsics (the compiler's own was two lanes wide).
 
+use std::borrow::Cow;
+
 use crate::codec::{decode_layer_into, EncodedLayer};
 use crate::error::{Error, Result};
 use crate::parallel;
@@ -556,16 +558,21 @@ type SumArgs<'a> = (
 fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
     let (y, d, m, rot, norms, q, g) = args;
     let n = y.len() / d;
+    // Without a frame the decoded block is the keys (copied only if RoPE turns them).
     let mut keys = match m {
         Some(m) => {
             let mut keys = vec![0.0f32; n * d];
             BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, &mut keys);
-            keys
+            Cow::Owned(keys)
         }
-        None => y.to_vec(),
+        None => Cow::Borrowed(y),
     };
     if let Some((r, pairs)) = rot.filter(|&(_, pairs)| pairs > 0) {
-        for (k, rt) in keys.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
+        for (k, rt) in keys
+            .to_mut()
+            .chunks_exact_mut(d)
+            .zip(r.chunks_exact(2 * pairs))
+        {
             let (cos, sin) = rt.split_at(pairs);
             let (re, rest) = k.split_at_mut(pairs);
             for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
