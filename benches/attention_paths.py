@@ -15,7 +15,9 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
 
 Each context is prefilled once per cache; then each repetition times ``--steps`` single-token
 forwards per path in turn (each forward's token cropped again, so every step sees the same
-cache). Prints each repetition and the medians' ratios to DynamicCache's step.
+cache). Prints each repetition and the medians' ratios to DynamicCache's step, and splits each
+median step into the time inside the model's attention function (sdpa for DynamicCache, the
+``kakeya`` attention for the cache's paths) and the rest (projections, MLP, cache updates).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import time
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kakeyaturbo
 import kakeyaturbo.hf.coded_attention as coded_attention
 from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 
 # name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads)
@@ -39,6 +43,32 @@ PATHS = {
     "two-kernels": (0, True),
     "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False),
 }
+
+
+class AttentionTimer:
+    """Adds up the seconds spent inside the models' attention functions (``names``) while
+    entered, by wrapping their entries in transformers' registry (restored on exit)."""
+
+    def __init__(self, names=("sdpa", KAKEYA_ATTENTION)):
+        self.seconds = 0.0
+        self._saved = {name: ALL_ATTENTION_FUNCTIONS[name] for name in names}
+
+    def __enter__(self) -> AttentionTimer:
+        for name, fn in self._saved.items():
+
+            def timed(*args, _fn=fn, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            ALL_ATTENTION_FUNCTIONS[name] = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
 
 
 def main() -> None:
@@ -74,25 +104,28 @@ def run_context(model, ids, ctx, calibration, args) -> None:
     paths = {p: v for p, v in PATHS.items() if p != "own-pool" or args.threads > 1}
     runs = {"DynamicCache": (dense, None)} | {p: (coded, v) for p, v in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
+    attention: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(args.reps), desc=f"ctx {ctx}", leave=False):
         for name, (cache, path) in runs.items():
             if path is not None:
                 coded_attention.WHOLE_ATTENTION_ROWS = path[0]
                 kakeyaturbo.share_torch_threads(path[1])
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                model(ids[:, ctx : ctx + 1], past_key_values=cache)
-                cache.crop(-1)
-            times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
+            with AttentionTimer() as timer:
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    model(ids[:, ctx : ctx + 1], past_key_values=cache)
+                    cache.crop(-1)
+                times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
+            attention[name].append(1e3 * timer.seconds / args.steps)
     coded_attention.WHOLE_ATTENTION_ROWS = PATHS["whole"][0]
     kakeyaturbo.share_torch_threads(True)
     base = statistics.median(times["DynamicCache"])
     for name, ts in times.items():
-        med = statistics.median(ts)
+        med, att = statistics.median(ts), statistics.median(attention[name])
         reps = " ".join(f"{t:6.1f}" for t in ts)
         print(
             f"ctx {ctx:5d} {name:13s} step ms {reps}  median {med:6.1f}  "
-            f"speed vs dyn {base / med:.2f}x"
+            f"speed vs dyn {base / med:.2f}x  attention {att:5.1f}  rest {med - att:5.1f}"
         )
 
 

@@ -3,7 +3,8 @@
 # model): a calibration bundle with its sensitivity scan (calibration text only), the Pareto
 # sweep against every peer with nothing exact but 4 sinks, the same sweep with the protocol the
 # product ships (4 sinks and the last 32 tokens exact for every method alike), in-forward
-# runs (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution, and reports/README.md. About 45 minutes on 2 cores.
+# runs (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution, the
+# output-weighted value frame, and reports/README.md. About 55 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -53,6 +54,16 @@ kakeyaturbo eval ppl "${COMMON[@]}" --out reports/attribution.json \
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/block_size.json \
   --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,block_size=512" \
   --method kakeya --method "kakeya:block_size=512"
+# The values' frame weighted by the output projection (calibrate --value-metric output) against
+# the default bundle's plain PCA frame, snapshot and in-forward: measured, not adopted.
+CV=artifacts/calib-smollm2-vo
+[ -f "$CV/calibration.json" ] ||
+  kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CV" --tokens 30000 \
+    --value-metric output
+kakeyaturbo eval ppl "${COMMON[@]}" --out reports/value_frame.json \
+  --method "kakeya:calibration=$C" --method "kakeya:calibration=$CV"
+kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/value_frame_in_forward.json \
+  --method "kakeya:calibration=$C" --method "kakeya:calibration=$CV"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

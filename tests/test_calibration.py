@@ -57,6 +57,45 @@ def test_whitened_error_is_the_expected_logit_error(bundle):
             np.testing.assert_allclose(lhs, rhs, rtol=2e-3)
 
 
+def test_output_weighted_value_frame_weighs_errors_as_the_output_sees_them(
+    model_and_tok, calib_text, real_kv, tmp_path
+):
+    """With ``value_metric=True``: |e @ T_v|^2 = e^T M e for M = sum_j W_j^T W_j over the
+    query heads reading the KV head (scaled to mean eigenvalue 1, ridged), the saved bundle
+    holds T_v's inverse, and values round-trip through it."""
+    from kakeyaturbo.calibration.fit import value_output_metrics
+
+    model, tok = model_and_tok
+    calib = calibrate(model, tok, calib_text, tokens=2048, progress=False, value_metric=True)
+    loaded = Calibration.load(calib.save(tmp_path), model)
+    assert loaded.meta["value_metric"] == "output"
+    tv, inv = loaded.tensors["v_transform"].astype(np.float64), loaded.tensors["v_inverse"]
+    metrics = value_output_metrics(model)
+    d = tv.shape[-1]
+    # Query head j reads KV head j // group (HF's repeat_kv); its columns of o_proj are j's.
+    w = model.model.layers[0].self_attn.o_proj.weight.detach().double().numpy()
+    group = model.config.num_attention_heads // tv.shape[1]
+    for h in range(tv.shape[1]):
+        cols = [w[:, j * d : (j + 1) * d] for j in range(h * group, (h + 1) * group)]
+        np.testing.assert_allclose(metrics[0][h], sum(c.T @ c for c in cols), rtol=1e-10)
+    rng = np.random.default_rng(1)
+    for layer in (0, calib.num_layers - 1):
+        for h in range(tv.shape[1]):
+            m = metrics[layer][h] / (np.trace(metrics[layer][h]) / d)
+            m = m + calib.meta["ridge"] * np.eye(d)
+            e = rng.standard_normal((50, d))
+            lhs = ((e @ tv[layer, h]) ** 2).sum(1)
+            np.testing.assert_allclose(lhs, np.einsum("nd,de,ne->n", e, m, e), rtol=2e-3)
+            np.testing.assert_allclose(tv[layer, h] @ inv[layer, h], np.eye(d), atol=1e-4)
+        t = KVTransforms(loaded)
+        x = torch.from_numpy(real_kv[f"layer{layer}.v"])[None]
+        back = t.inverse(t.forward(x, layer, "v"), layer, "v")
+        torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+    # The default bundle keeps the orthonormal frame and no inverse beside it.
+    plain = calibrate(model, tok, calib_text, tokens=1024, progress=False)
+    assert "v_inverse" not in plain.tensors and plain.meta["value_metric"] == "none"
+
+
 def test_key_frame_variances_are_sorted_and_match(bundle, real_kv):
     calib, _ = bundle
     var = calib.tensors["k_variances"]

@@ -24,8 +24,12 @@ TENSOR_NAMES = (
     "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
     "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
     "k_pca",  # U of plain (unwhitened) pre-RoPE key PCA, for ablations          [L,H,D,D]
-    "v_transform",  # U_v: value -> PCA coordinates                                  [L,H,D,D]
-    "v_variances",  # variances of the value PCA coordinates, descending            [L,H,D]
+    "v_transform",  # U_v (or L_o @ U_v): value (row) -> PCA coordinates            [L,H,D,D]
+    "v_variances",  # variances of the value coordinates, descending                [L,H,D]
+)
+# Tensors some bundles hold (see transforms.py).
+OPTIONAL_TENSOR_NAMES = (
+    "v_inverse",  # inverse of v_transform (absent: v_transform is orthonormal)      [L,H,D,D]
 )
 
 
@@ -118,7 +122,8 @@ class Calibration:
     def _check_tensors(self) -> None:
         fp = self.fingerprint
         L, H, D = fp["num_hidden_layers"], fp["num_key_value_heads"], fp["head_dim"]
-        for name in TENSOR_NAMES:
+        held = tuple(name for name in OPTIONAL_TENSOR_NAMES if name in self.tensors)
+        for name in TENSOR_NAMES + held:
             if name not in self.tensors:
                 raise CalibrationError(f"bundle lacks tensor {name!r}")
             want = (L, H, D) if name.endswith("variances") else (L, H, D, D)

@@ -34,6 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "for servers that code chunked prefills; twice the scan time)",
     )
     p.add_argument(
+        "--value-metric",
+        choices=["none", "output"],
+        default="none",
+        help="frame of the values: plain PCA (none) or weighted by the output projection "
+        "(output: a value error counted as the layer output sees it; not better on SmolLM2)",
+    )
+    p.add_argument(
         "--ridge",
         type=float,
         default=1e-3,
@@ -54,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         ctx=args.ctx,
         ridge=args.ridge,
+        value_metric=args.value_metric == "output",
         command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     out = calib.save(args.out)

@@ -1,10 +1,12 @@
 """Fitting a calibration bundle: one pass over calibration text accumulates, per layer and
 KV head, the second moments of pre-RoPE queries, keys and values; the bases follow from
-them in closed form (so no second pass over the text is needed)."""
+them in closed form (so no second pass over the text is needed). The optional output metric
+of the values comes from the weights of the output projection, no text needed."""
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -84,14 +86,49 @@ def collect_moments(
     return moments
 
 
+def value_output_metrics(model) -> Optional[list[np.ndarray]]:
+    """Per layer, ``[kv_heads, D, D]``: ``sum_j W_j^T W_j`` over the query heads ``j`` that read
+    each KV head, ``W_j`` their columns of the output projection. A value error ``e`` moves
+    head ``j``'s share of the layer output by ``W_j (sum_t p_t e_t)``, so ``e^T M e`` weighs it
+    as the output sees it (up to the attention weights). ``None`` where a layer has no
+    ``o_proj`` of the expected shape (the values then keep the plain PCA frame)."""
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    out = []
+    for layer in model.model.layers:
+        o_proj = getattr(layer.self_attn, "o_proj", None)
+        w = getattr(o_proj, "weight", None)
+        if w is None or tuple(w.shape[1:]) != (hq * d,):
+            return None
+        # [hidden, hq*d] -> [hkv, group, hidden, d]
+        w = w.detach().double().cpu().numpy().reshape(-1, hkv, hq // hkv, d).transpose(1, 2, 0, 3)
+        out.append(np.einsum("hgnd,hgne->hde", w, w))
+    return out
+
+
+def _metric_factor(m: np.ndarray, ridge: float) -> np.ndarray:
+    """Lower Cholesky factor of ``m`` scaled to mean eigenvalue 1, with a relative ridge that
+    keeps it well conditioned where the metric (or the query) never points."""
+    d = m.shape[-1]
+    m = m / max(np.trace(m) / d, 1e-30)
+    return np.linalg.cholesky(m + ridge * np.eye(d))
+
+
 def _eig_desc(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lam, u = np.linalg.eigh((c + c.T) / 2)
     order = np.argsort(lam)[::-1]
     return np.maximum(lam[order], 0.0), u[:, order]
 
 
-def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.ndarray]:
-    """Closed-form bases from the moments (see transforms.py for the frames)."""
+def fit_bundle(
+    moments: list[_Moments],
+    ridge: float = 1e-3,
+    value_metrics: Optional[list[np.ndarray]] = None,
+) -> dict[str, np.ndarray]:
+    """Closed-form bases from the moments (see transforms.py for the frames); with
+    ``value_metrics`` (:func:`value_output_metrics`) the value frame is output-weighted."""
     out: dict[str, list] = {
         k: []
         for k in (
@@ -105,7 +142,9 @@ def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.nda
             "v_variances",
         )
     }
-    for m in moments:
+    if value_metrics is not None:
+        out["v_inverse"] = []
+    for li, m in enumerate(moments):
         per = {k: [] for k in out}
         for h in range(m.qq.shape[0]):
             d = m.qq.shape[-1]
@@ -118,15 +157,22 @@ def fit_bundle(moments: list[_Moments], ridge: float = 1e-3) -> dict[str, np.nda
             lam_k, u_k = _eig_desc(lower.T @ cov_k @ lower)
             tk = lower @ u_k
             mean_v = m.v[h] / m.n
-            lam_v, u_v = _eig_desc(m.vv[h] / m.n - np.outer(mean_v, mean_v))
+            cov_v = m.vv[h] / m.n - np.outer(mean_v, mean_v)
+            lower_o = np.eye(d) if value_metrics is None else _metric_factor(
+                value_metrics[li][h], ridge
+            )
+            lam_v, u_v = _eig_desc(lower_o.T @ cov_v @ lower_o)
+            tv = lower_o @ u_v
             per["q_second_moment"].append(mq)
             per["k_whiten"].append(lower)
             per["k_transform"].append(tk)
             per["k_inverse"].append(np.linalg.inv(tk))
             per["k_variances"].append(lam_k)
             per["k_pca"].append(_eig_desc(cov_k)[1])
-            per["v_transform"].append(u_v)
+            per["v_transform"].append(tv)
             per["v_variances"].append(lam_v)
+            if value_metrics is not None:
+                per["v_inverse"].append(np.linalg.inv(tv))
         for k in out:
             out[k].append(np.stack(per[k]))
     return {k: np.stack(v).astype(np.float32) for k, v in out.items()}
@@ -141,22 +187,35 @@ def calibrate(
     ridge: float = 1e-3,
     progress: bool = True,
     command: Optional[str] = None,
+    value_metric: bool = False,
 ) -> Calibration:
-    """Fits a bundle on the first ``tokens`` tokens of ``text_file``."""
+    """Fits a bundle on the first ``tokens`` tokens of ``text_file``. ``value_metric=True``
+    codes values in the output-weighted frame (:func:`value_output_metrics`); measured on
+    SmolLM2 it did not pay (``docs/recipe.md``), so the values keep their plain PCA frame."""
     text = Path(text_file).read_text(encoding="utf-8")
     ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < ctx:
         raise ValueError(f"text_file: {len(ids)} tokens is too little to calibrate (need {ctx})")
     moments = collect_moments(model, ids, ctx=ctx, progress=progress)
+    value_metrics = value_output_metrics(model) if value_metric else None
+    if value_metric and value_metrics is None:
+        warnings.warn(
+            "value_metric: the model's attention has no o_proj of shape [hidden, heads x "
+            "head_dim]; the values keep their plain PCA frame",
+            stacklevel=2,
+        )
     meta = {
         "tokens": len(ids),
         "ctx": ctx,
         "ridge": ridge,
         "text_file": Path(text_file).name,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "value_metric": "output" if value_metrics is not None else "none",
     }
     if command:
         meta["command"] = command
     return Calibration(
-        fingerprint=model_fingerprint(model), tensors=fit_bundle(moments, ridge), meta=meta
+        fingerprint=model_fingerprint(model),
+        tensors=fit_bundle(moments, ridge, value_metrics),
+        meta=meta,
     )

@@ -4,7 +4,10 @@ Keys (pre-RoPE, rows ``k``): ``y = k @ L @ U_k`` where ``L`` is the lower Choles
 the query second moment ``M = E[q q^T]`` and ``U_k`` the PCA basis of the whitened keys. For a
 key error ``e``, ``|e @ L|^2 = e^T M e = E[(q . e)^2]``: squared error in this frame is the
 expected squared attention-logit error, so MSE coding here is query-aware. Values:
-``y = v @ U_v`` (orthonormal).
+``y = v @ U_v`` (orthonormal PCA), or in a bundle fitted with ``--value-metric output``
+``y = v @ L_o @ U_v`` with ``L_o`` the lower Cholesky factor of the output metric
+``sum_j W_j^T W_j`` over the query heads ``j`` reading the KV head (``W_j`` their columns of
+the output projection); such a bundle holds the inverse as ``v_inverse``.
 """
 
 from __future__ import annotations
@@ -28,9 +31,8 @@ class KVTransforms:
             ("k", "fwd"): torch.from_numpy(np.ascontiguousarray(k_fwd, dtype=np.float32)),
             ("k", "inv"): torch.from_numpy(np.ascontiguousarray(k_inv, dtype=np.float32)),
             ("v", "fwd"): torch.from_numpy(np.asarray(t["v_transform"], dtype=np.float32)),
-            # U_v is orthonormal: its inverse is its transpose.
             ("v", "inv"): torch.from_numpy(
-                np.ascontiguousarray(np.swapaxes(t["v_transform"], -1, -2), dtype=np.float32)
+                np.ascontiguousarray(_value_inverse(t), dtype=np.float32)
             ),
         }
         self.num_layers = calib.num_layers
@@ -57,3 +59,10 @@ class KVTransforms:
     def inverse(self, y: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
         """Back from the coding frame."""
         return self._apply(y, layer, stream, "inv")
+
+
+def _value_inverse(t: dict[str, np.ndarray]) -> np.ndarray:
+    if "v_inverse" in t:
+        return t["v_inverse"]
+    # U_v is orthonormal: its inverse is its transpose.
+    return np.swapaxes(t["v_transform"], -1, -2)
