@@ -4,7 +4,8 @@
 # sweep against every peer with nothing exact but 4 sinks, the same sweep with the protocol the
 # product ships (4 sinks and the last 32 tokens exact for every method alike), in-forward
 # runs (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution, the
-# output-weighted value frame, and reports/README.md. About 55 minutes on 2 cores.
+# output-weighted value frame, 64 passages of the default and its 4-bit peers, and reports/README.md.
+# About 65 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -64,6 +65,11 @@ kakeyaturbo eval ppl "${COMMON[@]}" --out reports/value_frame.json \
   --method "kakeya:calibration=$C" --method "kakeya:calibration=$CV"
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/value_frame_in_forward.json \
   --method "kakeya:calibration=$C" --method "kakeya:calibration=$CV"
+# The default and the two 4-bit peers on 64 passages (the bar asks for >= 16): the verdicts and
+# delta-ppl per unit KL with intervals half as wide.
+kakeyaturbo eval ppl --model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 64 --no-progress \
+  --out reports/passages64.json --method "kakeya:calibration=$C" --method kivi:bits=4 \
+  --method turboquant:bits=4 --method "kakeya:calibration=$C,streams=v"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 
