@@ -189,6 +189,19 @@ def agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return top1, kl
 
 
+def kakeya_options(model, calibration: Path | None, hot_dtype: str) -> dict:
+    """KakeyaCache options from the command line: the bundle (read once, checked against this
+    model; None: none) and the hot window's dtype ("model": the model's)."""
+    options: dict = {"calibration": None}
+    if calibration is not None:
+        from kakeyaturbo.calibration import Calibration
+
+        options["calibration"] = Calibration.load(calibration, model)
+    if hot_dtype != "model":
+        options["hot_dtype"] = getattr(torch, hot_dtype)
+    return options
+
+
 def kakeya_factory(model, budget_bytes: int, coded: bool, options: dict):
     from kakeyaturbo.hf import KakeyaCache
 
@@ -280,14 +293,8 @@ def main(argv=None) -> None:
     if all_ids.shape[1] < need:
         raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
     backend, why = quantized_backend(model, all_ids)
-    calibration = None
-    if args.calibration is not None:  # read once, checked against this model
-        from kakeyaturbo.calibration import Calibration
-
-        calibration = Calibration.load(args.calibration, model)
-    options: dict = {"calibration": calibration}
-    if args.hot_dtype != "model":
-        options["hot_dtype"] = getattr(torch, args.hot_dtype)
+    options = kakeya_options(model, args.calibration, args.hot_dtype)
+    calibration = options["calibration"]
     if args.block_size is not None:
         options["recipe"] = default_recipe(calibration, block_size=args.block_size)
     if args.residual_length is not None:

@@ -33,7 +33,14 @@ from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from hf_generate import DEFAULT_MODEL, DEFAULT_TEXT, held_bytes, kakeya_factory, run  # noqa: E402
+from hf_generate import (  # noqa: E402
+    DEFAULT_MODEL,
+    DEFAULT_TEXT,
+    held_bytes,
+    kakeya_factory,
+    kakeya_options,
+    run,
+)
 
 METHODS = ("DynamicCache", "QuantizedCache(quanto,4b)", "kakeya")
 
@@ -49,13 +56,7 @@ def child(args) -> dict:
     text = args.text.read_text(encoding="utf-8")
     ids = tok(text[: 8 * args.child_ctx], return_tensors="pt").input_ids[:, : args.child_ctx]
     if args.child == "kakeya":
-        options: dict = {}
-        if args.calibration is not None:
-            from kakeyaturbo.calibration import Calibration
-
-            options["calibration"] = Calibration.load(args.calibration, model)
-        if args.hot_dtype != "model":
-            options["hot_dtype"] = getattr(torch, args.hot_dtype)
+        options = kakeya_options(model, args.calibration, args.hot_dtype)
         make = kakeya_factory(model, 0, True, options)  # as hf_generate builds "kakeya"
     else:
         model.set_attn_implementation("sdpa")

@@ -108,12 +108,11 @@ def value_output_metrics(model) -> Optional[list[np.ndarray]]:
     return out
 
 
-def _metric_factor(m: np.ndarray, ridge: float) -> np.ndarray:
-    """Lower Cholesky factor of ``m`` scaled to mean eigenvalue 1, with a relative ridge that
-    keeps it well conditioned where the metric (or the query) never points."""
+def _ridged_cholesky(m: np.ndarray, ridge: float) -> np.ndarray:
+    """Lower Cholesky factor of the metric ``m`` plus ``ridge`` times its mean eigenvalue: the
+    ridge keeps the factor well conditioned where queries (or the output) never point."""
     d = m.shape[-1]
-    m = m / max(np.trace(m) / d, 1e-30)
-    return np.linalg.cholesky(m + ridge * np.eye(d))
+    return np.linalg.cholesky(m + ridge * np.trace(m) / d * np.eye(d))
 
 
 def _eig_desc(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -149,18 +148,17 @@ def fit_bundle(
         for h in range(m.qq.shape[0]):
             d = m.qq.shape[-1]
             mq = m.qq[h] / m.nq
-            # A small ridge keeps L well conditioned where queries never point.
-            mq_r = mq + ridge * np.trace(mq) / d * np.eye(d)
-            lower = np.linalg.cholesky(mq_r)
+            lower = _ridged_cholesky(mq, ridge)
             mean_k = m.k[h] / m.n
             cov_k = m.kk[h] / m.n - np.outer(mean_k, mean_k)
             lam_k, u_k = _eig_desc(lower.T @ cov_k @ lower)
             tk = lower @ u_k
             mean_v = m.v[h] / m.n
             cov_v = m.vv[h] / m.n - np.outer(mean_v, mean_v)
-            lower_o = np.eye(d) if value_metrics is None else _metric_factor(
-                value_metrics[li][h], ridge
-            )
+            lower_o = np.eye(d)
+            if value_metrics is not None:  # scaled to mean eigenvalue 1: values keep their scale
+                mo = value_metrics[li][h]
+                lower_o = _ridged_cholesky(mo / max(np.trace(mo) / d, 1e-30), ridge)
             lam_v, u_v = _eig_desc(lower_o.T @ cov_v @ lower_o)
             tv = lower_o @ u_v
             per["q_second_moment"].append(mq)
