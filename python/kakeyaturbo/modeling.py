@@ -44,6 +44,7 @@ class KVGeometry:
     """What a model's KV cache looks like: one entry per decoder layer."""
 
     num_layers: int
+    query_heads: int
     kv_heads: int
     head_dim: int
     layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" | ...
@@ -221,7 +222,7 @@ def kv_geometry(config) -> KVGeometry:
     types = getattr(cfg, "layer_types", None)
     if types is None:
         types = ["sliding_attention" if sliding else "full_attention"] * n
-    return KVGeometry(n, kv_heads, head_dim, tuple(types), sliding)
+    return KVGeometry(n, heads, kv_heads, head_dim, tuple(types), sliding)
 
 
 def read_text(path: str | Path) -> str:

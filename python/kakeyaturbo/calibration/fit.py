@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..modeling import heads_first, pre_rope_modules
+from ..modeling import heads_first, kv_geometry, pre_rope_modules
 from .bundle import Calibration, model_fingerprint
 
 
@@ -50,10 +50,8 @@ def collect_moments(
     window's tokens at positions 0.. (for post-RoPE key frames)."""
     import torch
 
-    cfg = model.config
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    geo = kv_geometry(model.config)
+    d, hq, hkv = geo.head_dim, geo.query_heads, geo.kv_heads
     layers = model.model.layers
     moments = [_Moments(hkv, d) for _ in layers]
     current: dict[tuple[int, str], np.ndarray] = {}
@@ -92,10 +90,8 @@ def value_output_metrics(model) -> Optional[list[np.ndarray]]:
     head ``j``'s share of the layer output by ``W_j (sum_t p_t e_t)``, so ``e^T M e`` weighs it
     as the output sees it (up to the attention weights). ``None`` where a layer has no
     ``o_proj`` of the expected shape (the values then keep the plain PCA frame)."""
-    cfg = model.config
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    geo = kv_geometry(model.config)
+    d, hq, hkv = geo.head_dim, geo.query_heads, geo.kv_heads
     out = []
     for layer in model.model.layers:
         o_proj = getattr(layer.self_attn, "o_proj", None)

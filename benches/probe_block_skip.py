@@ -1,0 +1,137 @@
+"""Probe, not shipped: could attention over the codes skip whole blocks that the softmax ignores?
+
+    .venv/bin/python benches/probe_block_skip.py
+
+A decode step's attention over the codes costs the same for every block. Where a block's
+largest logit sits far below the largest logit of the exact tokens (the sinks and the hot
+window), its softmax mass is negligible and the block could be skipped, as Quest-style sparse
+attention does. This measures, on SmolLM2's real queries (the last 64 positions of a WikiText
+context) and exact keys, the fraction of 256-token blocks that could be skipped:
+
+- ``oracle``: the block's true largest logit plus ``log(256)`` lies ``--margin`` below the
+  exact tokens' largest (its mass is below ``e^-margin`` of the largest term): no bound can
+  skip more;
+- ``norm bound``: the same test with the bound a block can store cheaply,
+  ``scale |q| max_t |k_t|`` (RoPE turns keys but keeps their norms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from kakeyaturbo.capture import read_tokens
+from kakeyaturbo.modeling import kv_geometry, load_model
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+SINKS, HOT, BLOCK, QUERIES = 4, 128, 256, 64
+
+
+def post_rope_queries(layer, hidden: torch.Tensor, cos, sin, heads: int, d: int) -> torch.Tensor:
+    """``[heads, n, d]``: the layer's queries of ``hidden`` ``[1, n, hidden]``, as the model
+    makes them (Llama-style: ``q_proj``, an optional ``q_norm``, RoPE)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    q = attn.q_proj(hidden).view(1, hidden.shape[1], heads, d)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
+    q = q.transpose(1, 2)
+    return apply_rotary_pos_emb(q, q, cos, sin)[0][0]
+
+
+def skippable(
+    logits: torch.Tensor,
+    key_norms: torch.Tensor,
+    q_norms: torch.Tensor,
+    scale: float,
+    margin: float,
+) -> tuple[float, float]:
+    """(oracle, norm bound) fractions of the coded blocks one query head could skip.
+    ``logits`` ``[n, T]`` (scaled), ``key_norms`` ``[T]``, ``q_norms`` ``[n]``."""
+    t = logits.shape[1]
+    exact = torch.cat([logits[:, :SINKS], logits[:, t - HOT :]], 1).amax(1, keepdim=True)
+    blocks = (t - SINKS - HOT) // BLOCK
+    span = slice(SINKS, SINKS + blocks * BLOCK)
+    slack = math.log(BLOCK)
+    true_max = logits[:, span].reshape(-1, blocks, BLOCK).amax(-1)
+    bound = scale * q_norms[:, None] * key_norms[span].reshape(blocks, BLOCK).amax(-1)[None]
+    oracle = (true_max + slack < exact - margin).float().mean().item()
+    by_norm = (bound + slack < exact - margin).float().mean().item()
+    return oracle, by_norm
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--model",
+        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    )
+    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--margin", type=float, default=12.0, help="skip below e^-margin of the max")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    geo = kv_geometry(model.config)
+    group, d = geo.query_heads // geo.kv_heads, geo.head_dim
+    ids = read_tokens(tok, args.text, args.context)
+    hidden: dict[int, torch.Tensor] = {}
+
+    def keep(i):
+        def hook(_mod, _args, kwargs, _out):
+            hidden[i] = kwargs["hidden_states"][:, -QUERIES:].detach()
+
+        return hook
+
+    hooks = [
+        layer.self_attn.register_forward_hook(keep(i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    positions = torch.arange(args.context - QUERIES, args.context)[None]
+    scale = d**-0.5
+    print(
+        f"{Path(args.model).name}, context {args.context}, last {QUERIES} queries, "
+        f"{BLOCK}-token blocks between {SINKS} sinks and a {HOT}-token hot window, margin "
+        f"e^-{args.margin:g}"
+    )
+    print("layer  oracle  norm bound   (fraction of blocks skippable, mean over query heads)")
+    means = []
+    with torch.no_grad():
+        for li, layer in enumerate(model.model.layers):
+            cos, sin = model.model.rotary_emb(hidden[li], positions)
+            q = post_rope_queries(layer, hidden[li], cos, sin, geo.query_heads, d)
+            keys = cache.layers[li].keys[0]  # [kv_heads, T, d], post-RoPE
+            # Queries near the end see every key (the causal mask differs by at most 63 of them).
+            rows = [
+                skippable(
+                    (q[j] @ keys[j // group].T) * scale,
+                    keys[j // group].norm(dim=-1),
+                    q[j].norm(dim=-1),
+                    scale,
+                    args.margin,
+                )
+                for j in range(geo.query_heads)
+            ]
+            oracle, by_norm = np.mean(rows, axis=0)
+            means.append((oracle, by_norm))
+            print(f"{li:5d}  {oracle:6.3f}  {by_norm:10.3f}")
+    oracle, by_norm = np.mean(means, axis=0)
+    print(f"all    {oracle:6.3f}  {by_norm:10.3f}")
+
+
+if __name__ == "__main__":
+    main()
