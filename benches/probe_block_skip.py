@@ -23,26 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from kakeyaturbo.capture import read_tokens
+from kakeyaturbo.capture import capture_kv, read_tokens
+from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import kv_geometry, load_model
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 SINKS, HOT, BLOCK, QUERIES = 4, 128, 256, 64
-
-
-def post_rope_queries(layer, hidden: torch.Tensor, cos, sin, heads: int, d: int) -> torch.Tensor:
-    """``[heads, n, d]``: the layer's queries of ``hidden`` ``[1, n, hidden]``, as the model
-    makes them (Llama-style: ``q_proj``, an optional ``q_norm``, RoPE)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    attn = layer.self_attn
-    q = attn.q_proj(hidden).view(1, hidden.shape[1], heads, d)
-    if getattr(attn, "q_norm", None) is not None:
-        q = attn.q_norm(q)
-    q = q.transpose(1, 2)
-    return apply_rotary_pos_emb(q, q, cos, sin)[0][0]
 
 
 def skippable(
@@ -82,26 +69,8 @@ def main(argv=None) -> None:
     geo = kv_geometry(model.config)
     group, d = geo.query_heads // geo.kv_heads, geo.head_dim
     ids = read_tokens(tok, args.text, args.context)
-    hidden: dict[int, torch.Tensor] = {}
-
-    def keep(i):
-        def hook(_mod, _args, kwargs, _out):
-            hidden[i] = kwargs["hidden_states"][:, -QUERIES:].detach()
-
-        return hook
-
-    hooks = [
-        layer.self_attn.register_forward_hook(keep(i), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)
-    ]
-    cache = DynamicCache(config=model.config)
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    positions = torch.arange(args.context - QUERIES, args.context)[None]
+    kv = capture_kv(model, ids, last_queries=QUERIES)
+    rope = ModelRope(model.config)
     scale = d**-0.5
     print(
         f"{Path(args.model).name}, context {args.context}, last {QUERIES} queries, "
@@ -111,10 +80,10 @@ def main(argv=None) -> None:
     print("layer  oracle  norm bound   (fraction of blocks skippable, mean over query heads)")
     means = []
     with torch.no_grad():
-        for li, layer in enumerate(model.model.layers):
-            cos, sin = model.model.rotary_emb(hidden[li], positions)
-            q = post_rope_queries(layer, hidden[li], cos, sin, geo.query_heads, d)
-            keys = cache.layers[li].keys[0]  # [kv_heads, T, d], post-RoPE
+        for li in range(geo.num_layers):
+            q_pre = torch.from_numpy(kv[f"layer{li}.q_pre_rope"])[None]
+            q = rope.rotate(q_pre, li, args.context - QUERIES)[0]  # [query_heads, n, d]
+            keys = torch.from_numpy(kv[f"layer{li}.k"])  # [kv_heads, T, d], post-RoPE
             # Queries near the end see every key (the causal mask differs by at most 63 of them).
             rows = [
                 skippable(

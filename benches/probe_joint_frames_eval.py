@@ -25,22 +25,21 @@ import torch
 from transformers import AutoTokenizer
 
 import smollm2_eval  # benches/, beside this script
-from kakeyaturbo._runs import equal_runs
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.capture import capture_kv, read_tokens
 from kakeyaturbo.eval.harness import evaluate_method
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.modeling import resolve_model_dir
-from kakeyaturbo.norm_codes import decode_norms, encode_norms
-from kakeyaturbo.pipeline import CodedBlock, Pipeline, _code_blocks, _decode_run, _neutralise
-from kakeyaturbo.recipes import MAX_BITS, default_recipe
+from kakeyaturbo.norm_codes import decode_norms
+from kakeyaturbo.pipeline import Pipeline, _neutralise, decode_blocks
+from kakeyaturbo.recipes import default_recipe
 
 CHUNK = 1024
 
 
 def joint_frames(model, tok, pipe: Pipeline, text: str, tokens: int) -> dict[str, list]:
     """Per stream, per layer, ``[H*D, H*D]`` float32: eigenvectors (descending) of the
-    covariance of the heads' coordinates together, as :func:`coded_heads` makes them."""
+    covariance of the heads' coordinates together (:func:`joint_coordinates`)."""
     ids = read_tokens(tok, text, tokens)
     sums: dict = {}
     n = 0
@@ -48,9 +47,7 @@ def joint_frames(model, tok, pipe: Pipeline, text: str, tokens: int) -> dict[str
         kv = capture_kv(model, ids[lo : lo + CHUNK])
         for layer in range(model.config.num_hidden_layers):
             for stream in "kv":
-                name = f"layer{layer}.k_pre_rope" if stream == "k" else f"layer{layer}.v"
-                x = torch.from_numpy(kv[name])[None]
-                y = coded_heads(pipe, x, layer, stream)[0][0, 0].double().numpy()
+                y = joint_coordinates(pipe, kv, layer, stream)
                 s, c = sums.get((stream, layer), (0.0, 0.0))
                 sums[(stream, layer)] = (s + y.sum(0), c + y.T @ y)
         n += len(ids[lo : lo + CHUNK])
@@ -60,6 +57,14 @@ def joint_frames(model, tok, pipe: Pipeline, text: str, tokens: int) -> dict[str
         _, vecs = np.linalg.eigh(c / n - np.outer(mean, mean))
         frames[stream].append(torch.from_numpy(vecs[:, ::-1].copy()).float())
     return frames
+
+
+def joint_coordinates(pipe: Pipeline, kv: dict, layer: int, stream: str) -> np.ndarray:
+    """``[tokens, H*D]`` float64: a captured layer's (:func:`~kakeyaturbo.capture.capture_kv`)
+    pre-RoPE keys or values as :func:`coded_heads` hands them to the joint frame."""
+    name = f"layer{layer}.k_pre_rope" if stream == "k" else f"layer{layer}.v"
+    x = torch.from_numpy(kv[name])[None]
+    return coded_heads(pipe, x, layer, stream)[0][0, 0].double().numpy()
 
 
 def coded_heads(pipe: Pipeline, x: torch.Tensor, layer: int, stream: str):
@@ -83,33 +88,17 @@ def install(frames: dict[str, list], streams: str) -> None:
     def roundtrip(self, x, layer, stream, positions=None, sinks=None, newer=None):
         if stream not in streams:
             return exact_roundtrip(self, x, layer, stream, positions, sinks, newer)
-        bs = self.recipe.block_size
         xf = x.detach().float().cpu()
         if stream == "k" and positions is not None and self.recipe.pre_rope:
             xf = self._rope_for(layer).unrotate(xf, positions.cpu())
         if sinks is not None and bool(sinks.any()):
-            xf = _neutralise(xf, sinks.cpu(), bs)
+            xf = _neutralise(xf, sinks.cpu(), self.recipe.block_size)
         b, h, t, d = xf.shape
         frame = frames[stream][layer]
         heads, norms = coded_heads(self, xf, layer, stream)
-        y = heads @ frame
-        params = self.recipe.params(layer, stream)
-        recent = 0
-        if newer is not None and self.recipe.recent_bits > 0:
-            recent = min(max(self.recipe.recent_tokens - newer, 0), t)
-        blocks = _code_blocks(y[:, :, : t - recent], None, 0, params, bs, layer, stream)
-        if recent:
-            bits = min(params.bits_per_value + self.recipe.recent_bits, MAX_BITS)
-            hi = params.replace(bits_per_value=bits)
-            blocks += _code_blocks(y[:, :, t - recent :], None, t - recent, hi, bs, layer, stream)
-        if norms is not None:  # each head's norms, counted with the block's bytes
-            starts = np.cumsum([0] + [blk.tokens for blk in blocks])
-            blocks = [
-                CodedBlock(blk.encs, encode_norms(norms[:, :, lo : lo + blk.tokens]), blk.tokens)
-                for blk, lo in zip(blocks, starts)
-            ]
-        parts = [_decode_run(run, b) for run in equal_runs(blocks, lambda blk: blk.tokens)]
-        decoded = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        # Each head's norms are stored with the joint stream's blocks (and counted).
+        blocks = self.code_frame(heads @ frame, layer, stream, norms, newer)
+        decoded = decode_blocks(blocks, b)
         per_head = (decoded[:, 0] @ frame.T).reshape(b, t, h, d).permute(0, 2, 1, 3)
         if stream == "k":
             out = self._from_frame(per_head, layer, "k", positions)

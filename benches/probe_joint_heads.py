@@ -30,6 +30,7 @@ from kakeyaturbo.capture import capture_kv, read_tokens
 from kakeyaturbo.modeling import load_model
 from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.recipes import default_recipe
+from probe_joint_frames_eval import joint_coordinates  # benches/, beside this script
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 RATES = (1.5, 2.5, 3.5)
@@ -55,17 +56,6 @@ def rate_for(variances: np.ndarray, distortion: float) -> float:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if waterfill_distortion(variances, mid) <= distortion else (mid, hi)
     return hi
-
-
-def coded_coordinates(pipe: Pipeline, kv: dict, layer: int, stream: str) -> np.ndarray:
-    """``[tokens, heads * head_dim]``: the layer's keys or values in the coding frame, as the
-    pipeline hands them to the codec (values as unit vectors)."""
-    name = f"layer{layer}.k_pre_rope" if stream == "k" else f"layer{layer}.v"
-    x = torch.from_numpy(kv[name])[None]  # [1, heads, tokens, head_dim]
-    y = pipe._into_frame(x, layer, stream)[0]
-    if pipe.recipe.token_norms(stream):
-        y = y / y.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    return y.permute(1, 0, 2).reshape(y.shape[1], -1).double().numpy()
 
 
 def variances_along(fit: np.ndarray, test: np.ndarray, blocks: list[slice]) -> tuple:
@@ -118,8 +108,8 @@ def main(argv=None) -> None:
     totals = {s: np.zeros(len(RATES)) for s in "kv"}
     for layer in range(cfg.num_hidden_layers):
         for stream in "kv":
-            fit = np.concatenate([coded_coordinates(pipe, kv, layer, stream) for kv in fit_kv])
-            test = np.concatenate([coded_coordinates(pipe, kv, layer, stream) for kv in test_kv])
+            fit = np.concatenate([joint_coordinates(pipe, kv, layer, stream) for kv in fit_kv])
+            test = np.concatenate([joint_coordinates(pipe, kv, layer, stream) for kv in test_kv])
             sep, joint = variances_along(fit, test, blocks)
             cells = []
             for i, bits in enumerate(RATES):

@@ -47,6 +47,32 @@ def test_half_split_matches_the_model(real_kv, model_dir):
     np.testing.assert_allclose(pre, real_kv["layer1.k_pre_rope"], rtol=1e-4, atol=2e-4)
 
 
+def test_captured_queries_give_the_models_attention_weights(model_dir, eval_text):
+    """capture_kv's pre-RoPE queries of the last tokens, turned by ModelRope to their positions,
+    against the cached (post-RoPE) keys give the model's own attention weights."""
+    from kakeyaturbo.capture import capture_kv, read_tokens
+    from kakeyaturbo.hf.rope import ModelRope
+    from kakeyaturbo.modeling import kv_geometry, load_model
+
+    model, tok = load_model(model_dir, attn="eager")
+    ids = read_tokens(tok, eval_text, 96)
+    n = 8
+    kv = capture_kv(model, ids, last_queries=n)
+    with torch.no_grad():
+        want = model(torch.tensor([ids]), output_attentions=True).attentions
+    geo = kv_geometry(model.config)
+    group, t = geo.query_heads // geo.kv_heads, len(ids)
+    causal = torch.arange(t)[None] <= torch.arange(t - n, t)[:, None]
+    for layer in (0, geo.num_layers - 1):
+        q_pre = torch.from_numpy(kv[f"layer{layer}.q_pre_rope"])
+        assert q_pre.shape == (geo.query_heads, n, geo.head_dim)
+        q = ModelRope(model.config).rotate(q_pre[None], layer, t - n)[0]
+        keys = torch.from_numpy(kv[f"layer{layer}.k"]).repeat_interleave(group, 0)
+        logits = (q @ keys.transpose(1, 2)) * geo.head_dim**-0.5
+        got = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+        torch.testing.assert_close(got, want[layer][0, :, t - n :], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(("model_type", "factor"), [("llama", 1.0), ("gptj", 1.0), ("llama", 0.5)])
 def test_paired_turn_is_rotate_in_paired_order(model_type, factor):
     """The complex-product RoPE that attention over the codes uses is rotate, channels

@@ -27,25 +27,30 @@ def read_tokens(tok, text_file: str | Path, n_tokens: int, offset_chars: int = 0
     return ids[:n_tokens]
 
 
-def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
-    """Runs one forward pass; returns ``{"layer{i}.k", "layer{i}.k_pre_rope", "layer{i}.v"}``."""
+def capture_kv(model, input_ids: list[int], last_queries: int = 0) -> dict[str, np.ndarray]:
+    """Runs one forward pass; returns ``{"layer{i}.k", "layer{i}.k_pre_rope", "layer{i}.v"}``,
+    and with ``last_queries`` > 0 the pre-RoPE queries of the last that many tokens as
+    ``"layer{i}.q_pre_rope"`` ``[query_heads, last_queries, head_dim]``."""
     import torch
     from transformers import DynamicCache
 
-    from .modeling import heads_first, pre_rope_modules
+    from .modeling import heads_first, kv_geometry, pre_rope_modules
 
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    pre: dict[int, torch.Tensor] = {}
+    head_dim = kv_geometry(model.config).head_dim
+    pre: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        proj = pre_rope_modules(layer.self_attn)[1]
+        q_mod, k_mod, _ = pre_rope_modules(layer.self_attn)
+        wanted = {"k": (k_mod, len(input_ids))}
+        if last_queries > 0:
+            wanted["q"] = (q_mod, last_queries)
+        for name, (mod, keep) in wanted.items():
 
-        def hook(_mod, _inp, out, i=i):
-            pre[i] = heads_first(out.detach(), len(input_ids), head_dim)[0]
+            def hook(_mod, _inp, out, i=i, name=name, keep=keep):
+                pre[(i, name)] = heads_first(out.detach(), len(input_ids), head_dim)[0, :, -keep:]
 
-        hooks.append(proj.register_forward_hook(hook))
-    cache = DynamicCache(config=cfg)
+            hooks.append(mod.register_forward_hook(hook))
+    cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
             model(torch.tensor([input_ids]), past_key_values=cache, use_cache=True)
@@ -56,8 +61,9 @@ def capture_kv(model, input_ids: list[int]) -> dict[str, np.ndarray]:
     for i, layer in enumerate(cache.layers):
         out[f"layer{i}.k"] = layer.keys[0].float().numpy().copy()
         out[f"layer{i}.v"] = layer.values[0].float().numpy().copy()
-        if i in pre:
-            out[f"layer{i}.k_pre_rope"] = pre[i].float().numpy().copy()
+        for name in "kq":
+            if (i, name) in pre:
+                out[f"layer{i}.{name}_pre_rope"] = pre[(i, name)].float().numpy().copy()
     return out
 
 

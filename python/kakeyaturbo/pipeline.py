@@ -182,7 +182,6 @@ class Pipeline:
         if sinks is not None and bool(sinks.any()):
             x = _neutralise(x, sinks.cpu(), bs)
         y = self._into_frame(x, layer, stream)
-        t = y.shape[2]
         norms = None
         if self.recipe.token_norms(stream):
             full = y.norm(dim=-1)
@@ -195,6 +194,21 @@ class Pipeline:
             norms = full.half()
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+        return self.code_frame(y, layer, stream, norms, newer)
+
+    def code_frame(
+        self,
+        y: torch.Tensor,
+        layer: int,
+        stream: str,
+        norms: Optional[torch.Tensor] = None,
+        newer: Optional[int] = None,
+    ) -> list[CodedBlock]:
+        """The codec's half of :meth:`encode`: ``y`` ``[B, S, T, C]``, already in the coding
+        frame, coded with ``layer``'s ``stream`` parameters in blocks, the span's newest tokens
+        apart; ``norms`` ``[B, H, T]`` (the tokens' norms where ``y`` holds unit vectors) are
+        stored with the blocks."""
+        bs, t = self.recipe.block_size, y.shape[2]
         params = self.recipe.params(layer, stream)
         recent = 0
         if newer is not None and self.recipe.recent_bits > 0:
@@ -233,11 +247,7 @@ class Pipeline:
         norms, each token's scale ``[rows, H, T]`` (its stored norm over ``|y|``), which
         :meth:`decode_frame` applies. Attention over the codes folds the scale into the
         attention weights instead of scaling every value."""
-        if not blocks:
-            raise ValueError("decode: no blocks")
-        # Equal-length blocks decode in one parallel call.
-        parts = [_decode_run(run, rows) for run in equal_runs(blocks, lambda blk: blk.tokens)]
-        y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        y = decode_blocks(blocks, rows)
         if not self.recipe.token_norms(stream):
             return y, None
         norms = decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
@@ -484,6 +494,16 @@ def _runs_np(runs: Any, streams: int, d: int) -> list:
 def _np_or_none(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     """:func:`_np` of an optional tensor."""
     return None if t is None else _np(t)
+
+
+def decode_blocks(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
+    """The codec's output for consecutive blocks: ``[rows, S, sum(tokens), C]`` float32, in the
+    coding frame, before any token-norm scale."""
+    if not blocks:
+        raise ValueError("decode: no blocks")
+    # Equal-length blocks decode in one parallel call.
+    parts = [_decode_run(run, rows) for run in equal_runs(blocks, lambda blk: blk.tokens)]
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
 
 def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
