@@ -21,7 +21,7 @@ import time
 import torch
 
 from kakeyaturbo.calibration import Calibration
-from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     cal = Calibration.load(args.calibration, model) if args.calibration else None
     cache = KakeyaCache.from_model(model, calibration=cal, hot_dtype=torch.bfloat16)
     with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **{CACHE_ARG: cache}, use_cache=True)
     gen = torch.Generator().manual_seed(0)
     calls = []
     for li, layer in enumerate(cache.layers):

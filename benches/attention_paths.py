@@ -33,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kakeyaturbo
 import kakeyaturbo.hf.coded_attention as coded_attention
-from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 
@@ -98,9 +98,9 @@ def main() -> None:
 def run_context(model, ids, ctx, calibration, args) -> None:
     model.set_attn_implementation("sdpa")
     dense = DynamicCache()
-    model(ids[:, :ctx], past_key_values=dense)
+    model(ids[:, :ctx], **{CACHE_ARG: dense})
     coded = KakeyaCache.from_model(model, calibration=calibration, hot_dtype=torch.bfloat16)
-    model(ids[:, :ctx], past_key_values=coded)
+    model(ids[:, :ctx], **{CACHE_ARG: coded})
     paths = {p: v for p, v in PATHS.items() if p != "own-pool" or args.threads > 1}
     runs = {"DynamicCache": (dense, None)} | {p: (coded, v) for p, v in paths.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -113,7 +113,7 @@ def run_context(model, ids, ctx, calibration, args) -> None:
             with AttentionTimer() as timer:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    model(ids[:, ctx : ctx + 1], past_key_values=cache)
+                    model(ids[:, ctx : ctx + 1], **{CACHE_ARG: cache})
                     cache.crop(-1)
                 times[name].append(1e3 * (time.perf_counter() - t0) / args.steps)
             attention[name].append(1e3 * timer.seconds / args.steps)

@@ -121,13 +121,15 @@ def quantized_backend(model, ids) -> tuple[str | None, str]:
     """The first transformers QuantizedCache backend that works here, or (None, why not)."""
     from transformers import QuantizedCache
 
+    from kakeyaturbo.hf import CACHE_ARG
+
     errors = []
     for backend in ("quanto", "hqq"):
         try:
             cache = QuantizedCache(backend=backend, config=model.config, nbits=4)
             with torch.inference_mode():
                 model.generate(
-                    ids[:, :40], past_key_values=cache, max_new_tokens=2, do_sample=False
+                    ids[:, :40], **{CACHE_ARG: cache}, max_new_tokens=2, do_sample=False
                 )
             return backend, ""
         except Exception as exc:  # noqa: BLE001 - report any backend failure and move on
@@ -138,6 +140,8 @@ def quantized_backend(model, ids) -> tuple[str | None, str]:
 def run(model, ids, make_cache, new_tokens: int, follow: torch.Tensor | None = None):
     from transformers import LogitsProcessorList
 
+    from kakeyaturbo.hf import CACHE_ARG
+
     cache = make_cache()
     clock = StepClock()
     base = peak_rss_bytes() if reset_peak_rss() else 0
@@ -146,7 +150,7 @@ def run(model, ids, make_cache, new_tokens: int, follow: torch.Tensor | None = N
     with torch.inference_mode():
         out = model.generate(
             ids,
-            past_key_values=cache,
+            **{CACHE_ARG: cache},
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,

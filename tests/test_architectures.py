@@ -35,7 +35,7 @@ from kakeyaturbo.calibration.fit import _Moments, collect_moments, fit_bundle  #
 from kakeyaturbo.eval import hot_window  # noqa: E402
 from kakeyaturbo.eval.harness import evaluate_method, prepare_reference  # noqa: E402
 from kakeyaturbo.eval.methods import Method, MethodOptions  # noqa: E402
-from kakeyaturbo.hf import KakeyaCache, KakeyaLayer, LayerKind  # noqa: E402
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaLayer, LayerKind  # noqa: E402
 from kakeyaturbo.hf.rope import ModelRope  # noqa: E402
 from kakeyaturbo.modeling import Passage, pre_rope_modules  # noqa: E402
 from kakeyaturbo.recipes import default_recipe  # noqa: E402
@@ -139,7 +139,7 @@ def pre_rope_qkv(model, ids: torch.Tensor, cache=None) -> dict[int, tuple]:
 
             hooks.append(mod.register_forward_hook(hook))
     try:
-        model(ids, past_key_values=cache, use_cache=cache is not None)
+        model(ids, **{CACHE_ARG: cache}, use_cache=cache is not None)
     finally:
         for h in hooks:
             h.remove()
@@ -440,11 +440,11 @@ def teacher_forced(model, cache, ids: torch.Tensor, prefix: int) -> torch.Tensor
     """Prefill ``prefix`` tokens, then the rest in one forward and then one at a time; the
     continuation's logits [B, T - prefix, V]."""
     with torch.inference_mode():
-        model(ids[:, :prefix], past_key_values=cache, use_cache=True)
+        model(ids[:, :prefix], **{CACHE_ARG: cache}, use_cache=True)
         mid = prefix + (ids.shape[1] - prefix) // 2
-        out = [model(ids[:, prefix:mid], past_key_values=cache, use_cache=True).logits]
+        out = [model(ids[:, prefix:mid], **{CACHE_ARG: cache}, use_cache=True).logits]
         for i in range(mid, ids.shape[1]):
-            out.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+            out.append(model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True).logits)
     return torch.cat(out, dim=1).float()
 
 
@@ -469,7 +469,7 @@ def test_cache_generate_and_memory_report(arch):
     check_plan(cache, model)
     ids = token_ids(1, 320, seed=3)
     with torch.inference_mode():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=8, do_sample=False)
     assert out.shape == (1, 328) and torch.equal(out[:, :320], ids)
     rep = cache.memory_report()
     assert rep["compressed_bytes"] > 0 and rep["ratio"] > 1.0

@@ -170,7 +170,7 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
     from transformers import DynamicCache
 
     from kakeyaturbo.capture import read_tokens
-    from kakeyaturbo.hf import KakeyaCache
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 
     model, tok = model_and_tok
     _, path = bundle
@@ -178,10 +178,10 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
     cache = KakeyaCache.from_model(model, calibration=path, residual_length=64)
     assert cache.pre_rope and cache.calibration is not None
     ref = DynamicCache(config=model.config)
-    model(ids[:, :600], past_key_values=cache)
-    model(ids[:, :600], past_key_values=ref)
-    a = model(ids[:, 600:], past_key_values=cache).logits.argmax(-1)
-    b = model(ids[:, 600:], past_key_values=ref).logits.argmax(-1)
+    model(ids[:, :600], **{CACHE_ARG: cache})
+    model(ids[:, :600], **{CACHE_ARG: ref})
+    a = model(ids[:, 600:], **{CACHE_ARG: cache}).logits.argmax(-1)
+    b = model(ids[:, 600:], **{CACHE_ARG: ref}).logits.argmax(-1)
     assert (a == b).float().mean() >= 0.9
     rep = cache.memory_report()
     assert rep["compressed_bytes"] > 0 and rep["ratio_vs_bf16"] > 1.5

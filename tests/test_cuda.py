@@ -36,7 +36,7 @@ def test_kakeya_cache_follows_the_model_onto_the_gpu(model_dir, eval_text, dtype
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from kakeyaturbo.capture import read_tokens
-    from kakeyaturbo.hf import KakeyaCache
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
     from kakeyaturbo.modeling import load_model
 
     _, tok = load_model(model_dir)
@@ -46,16 +46,16 @@ def test_kakeya_cache_follows_the_model_onto_the_gpu(model_dir, eval_text, dtype
     with torch.inference_mode():
         ref = model.generate(
             prompt, max_new_tokens=32, do_sample=False,
-            past_key_values=DynamicCache(config=model.config),
+            **{CACHE_ARG: DynamicCache(config=model.config)},
         )
         cache = KakeyaCache.from_model(model, residual_length=64)
-        got = model.generate(prompt, max_new_tokens=32, do_sample=False, past_key_values=cache)
+        got = model.generate(prompt, max_new_tokens=32, do_sample=False, **{CACHE_ARG: cache})
         # Teacher-forced next-token agreement over the real continuation, GPU vs GPU.
         exact = model(ids.cuda()).logits[0, 599:-1].argmax(-1)
         cache = KakeyaCache.from_model(model, residual_length=64)
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **{CACHE_ARG: cache}, use_cache=True)
         steps = [
-            model(ids[:, i : i + 1].cuda(), past_key_values=cache, use_cache=True).logits[0, -1]
+            model(ids[:, i : i + 1].cuda(), **{CACHE_ARG: cache}, use_cache=True).logits[0, -1]
             for i in range(600, 639)
         ]
     coded = torch.stack(steps).argmax(-1)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import KakeyaCache, rotary_spec_from_config
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, rotary_spec_from_config
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"
@@ -50,7 +50,7 @@ def kakeya(model, **kw):
 
 @torch.inference_mode()
 def step(model, cache, tokens):
-    return model(tokens, past_key_values=cache, use_cache=True).logits[:, -1].float()
+    return model(tokens, **{CACHE_ARG: cache}, use_cache=True).logits[:, -1].float()
 
 
 # ---- crop ---------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_assisted_decoding_uses_crop(model, ids):
         max_new_tokens=20,
         do_sample=False,
         prompt_lookup_num_tokens=4,
-        past_key_values=cache,
+        **{CACHE_ARG: cache},
     )
     ref = model.generate(prompt, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4)
     assert out.shape == ref.shape
@@ -247,7 +247,7 @@ def test_pre_rope_encodes_the_unrotated_keys_of_padded_rows(model, ids):
         model.generate(
             tokens,
             attention_mask=mask,
-            past_key_values=cache,
+            **{CACHE_ARG: cache},
             max_new_tokens=2,
             do_sample=False,
             pad_token_id=1,

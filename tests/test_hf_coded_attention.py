@@ -18,7 +18,7 @@ kt = pytest.importorskip("kakeyaturbo")
 pytest.importorskip("kakeyaturbo.hf")
 from transformers import DynamicCache  # noqa: E402
 
-from kakeyaturbo.hf import KakeyaCache  # noqa: E402
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache  # noqa: E402
 from kakeyaturbo.hf.coded_attention import CodedView  # noqa: E402
 from kakeyaturbo.modeling import load_model  # noqa: E402
 from kakeyaturbo.recipes import default_recipe  # noqa: E402
@@ -87,15 +87,15 @@ def padded_batch(vocab: int, n: int = 700, pad: int = 37):
 @torch.inference_mode()
 def forwards(model, cache, ids, mask, prefill: int, chunk: int = 25, steps: int = 3):
     """Logits of a prefill, multi-token forwards over compressed blocks, then single steps."""
-    out = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache)]
+    out = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], **{CACHE_ARG: cache})]
     t = prefill
     while t + chunk <= ids.shape[1] - steps:
         out.append(
-            model(ids[:, t : t + chunk], attention_mask=mask[:, : t + chunk], past_key_values=cache)
+            model(ids[:, t : t + chunk], attention_mask=mask[:, : t + chunk], **{CACHE_ARG: cache})
         )
         t += chunk
     for _ in range(steps):
-        out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache))
+        out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **{CACHE_ARG: cache}))
         t += 1
     return [o.logits for o in out]
 
@@ -150,7 +150,7 @@ def test_generate_is_unchanged(model):
                 model.generate(
                     ids,
                     attention_mask=mask,
-                    past_key_values=cache,
+                    **{CACHE_ARG: cache},
                     max_new_tokens=12,
                     do_sample=False,
                     output_scores=True,
@@ -167,10 +167,10 @@ def test_switched_model_is_sdpa_for_other_caches(model):
     ids = torch.randint(0, model.config.vocab_size, (1, 300))
     KakeyaCache.from_model(model)
     assert model.config._attn_implementation == "kakeya"
-    switched = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    switched = model(ids, **{CACHE_ARG: DynamicCache(config=model.config)}).logits
     model.set_attn_implementation("sdpa")
     try:
-        plain = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        plain = model(ids, **{CACHE_ARG: DynamicCache(config=model.config)}).logits
     finally:
         model.set_attn_implementation("kakeya")
     torch.testing.assert_close(switched, plain, rtol=0, atol=0)
@@ -224,14 +224,14 @@ def test_crop_into_blocks_after_coded_steps_matches_decoding(model, attend_calls
     runs = []
     for coded in (False, True):
         cache = KakeyaCache.from_model(model, coded_attention=coded, **kw)
-        model(ids[:, :600], attention_mask=mask[:, :600], past_key_values=cache)
-        model(ids[:, 600:601], attention_mask=mask[:, :601], past_key_values=cache)
+        model(ids[:, :600], attention_mask=mask[:, :600], **{CACHE_ARG: cache})
+        model(ids[:, 600:601], attention_mask=mask[:, :601], **{CACHE_ARG: cache})
         cache.crop(-(601 - 450))  # into block 7 (slots 448..511): two of its tokens back hot
         assert cache.layers[0].compressed_length == 448
         runs.append(
             [
                 model(
-                    ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache
+                    ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **{CACHE_ARG: cache}
                 ).logits
                 for t in range(450, 453)
             ]

@@ -12,7 +12,7 @@ import transformers as tf
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import KakeyaCache, KakeyaLayer, LayerKind, build_layer_plan
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaLayer, LayerKind, build_layer_plan
 
 TINY = dict(
     hidden_size=64,
@@ -112,10 +112,10 @@ def test_forward_matches_dynamic_cache(name):
 
     logits_k, logits_d = [], []
     for cache_, out in ((cache, logits_k), (dyn, logits_d)):
-        out.append(model(ids[:, :90], past_key_values=cache_, use_cache=True).logits[:, -1])
+        out.append(model(ids[:, :90], **{CACHE_ARG: cache_}, use_cache=True).logits[:, -1])
         for i in range(90, 100):
             out.append(
-                model(ids[:, i : i + 1], past_key_values=cache_, use_cache=True).logits[:, -1]
+                model(ids[:, i : i + 1], **{CACHE_ARG: cache_}, use_cache=True).logits[:, -1]
             )
     lk, ld = torch.stack(logits_k), torch.stack(logits_d)
     assert torch.isfinite(lk).all()
@@ -145,7 +145,7 @@ def test_generate_gemma3_hybrid():
     ids = torch.randint(0, cfg.vocab_size, (1, 60))
     p = kt.CodecParams(**P8)
     cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8, pre_rope=True)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=12, do_sample=False)
     ref = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert out.shape == ref.shape == (1, 72)
     assert (out == ref).float().mean().item() >= 0.9
@@ -180,12 +180,12 @@ def test_bfloat16_model():
     ids = torch.randint(0, cfg.vocab_size, (1, 80))
     p = kt.CodecParams(**P8)
     cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8, pre_rope=True)
-    got = model(ids, past_key_values=cache, use_cache=True).logits
-    nxt = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
+    got = model(ids, **{CACHE_ARG: cache}, use_cache=True).logits
+    nxt = model(ids[:, -1:], **{CACHE_ARG: cache}, use_cache=True).logits
     assert got.dtype == nxt.dtype == torch.bfloat16 and torch.isfinite(nxt).all()
     ref_cache = DynamicCache(config=cfg)
-    model(ids, past_key_values=ref_cache, use_cache=True)
-    ref = model(ids[:, -1:], past_key_values=ref_cache, use_cache=True).logits
+    model(ids, **{CACHE_ARG: ref_cache}, use_cache=True)
+    ref = model(ids[:, -1:], **{CACHE_ARG: ref_cache}, use_cache=True).logits
     torch.testing.assert_close(nxt.float(), ref.float(), atol=0.1, rtol=0.05)
     rep = cache.memory_report()
     assert rep["dense_bytes"] == rep["bf16_equivalent_bytes"] > 0
@@ -211,7 +211,7 @@ def test_generate_gemma3n_kv_sharing():
     ids = torch.randint(0, cfg.vocab_size, (1, 80))
     p = kt.CodecParams(**P8)
     cache = KakeyaCache.from_model(model, k_params=p, v_params=p, residual_length=8)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=8, do_sample=False)
     ref = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert (out == ref).float().mean().item() >= 0.9
     rep = cache.memory_report()

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.pipeline import CodedBlock
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
@@ -88,9 +88,9 @@ def dynamic_bytes(cache: DynamicCache) -> int:
 @torch.inference_mode()
 def fill(model, ids, cache, steps: int = 8):
     """Prefill all but `steps` tokens, then decode the rest one by one (exercises streaming)."""
-    model(ids[:, : N_TOKENS - steps], past_key_values=cache, use_cache=True)
+    model(ids[:, : N_TOKENS - steps], **{CACHE_ARG: cache}, use_cache=True)
     for i in range(N_TOKENS - steps, N_TOKENS):
-        model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
     return cache
 
 
@@ -145,7 +145,7 @@ def test_report_is_exact_and_beats_dynamic_cache(model, ids, dynamic, pre_rope):
 @torch.inference_mode()
 def test_the_pipeline_holds_what_it_reports(model, ids):
     cache = KakeyaCache.from_model(model, pre_rope=True, residual_length=64)
-    model(ids[:, :600], past_key_values=cache, use_cache=True)
+    model(ids[:, :600], **{CACHE_ARG: cache}, use_cache=True)
     pipe = cache._ctx.pipeline
     assert pipe.frame_bytes() > 0
     # The pipeline holds its frames and the RoPE tables the cache layers report as theirs.
@@ -180,8 +180,8 @@ def test_decoded_budget_is_bounded_and_counted(model, ids):
     # Decoded blocks kept under the budget give the same attention inputs as decoding afresh.
     no_budget = fill(model, ids, KakeyaCache.from_model(model, k_params=k), steps=4)
     with torch.inference_mode():
-        a = model(ids[:, -1:], past_key_values=cache, use_cache=True).logits
-        b = model(ids[:, -1:], past_key_values=no_budget, use_cache=True).logits
+        a = model(ids[:, -1:], **{CACHE_ARG: cache}, use_cache=True).logits
+        b = model(ids[:, -1:], **{CACHE_ARG: no_budget}, use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
     cache.reset()
@@ -210,8 +210,8 @@ def test_whole_layer_budget_uses_one_decoded_buffer(model, ids):
     assert layer.compressed_length == 1920 and not layer._buf_pending  # 1856 after the prefill
     assert rep["decoded_cache_bytes"] == big._ctx.budget.used >= rep["dense_bytes"]
     with torch.inference_mode():
-        a = model(ids[:, -3:], past_key_values=big, use_cache=True).logits
-        b = model(ids[:, -3:], past_key_values=none, use_cache=True).logits
+        a = model(ids[:, -3:], **{CACHE_ARG: big}, use_cache=True).logits
+        b = model(ids[:, -3:], **{CACHE_ARG: none}, use_cache=True).logits
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     big.crop(-3)
     assert big.layers[0]._buf_k is None
@@ -256,7 +256,7 @@ def test_hot_dtype_halves_the_exact_tokens(model, ids):
     assert layer._hot_k.dtype == layer._sink_k.dtype == torch.bfloat16
     with torch.inference_mode():
         a, b = (
-            model(ids[:, -1:], past_key_values=caches[dt], use_cache=True).logits
+            model(ids[:, -1:], **{CACHE_ARG: caches[dt]}, use_cache=True).logits
             for dt in (None, torch.bfloat16)
         )
     assert a.dtype == b.dtype == torch.float32

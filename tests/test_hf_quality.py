@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"
@@ -56,10 +56,10 @@ def near_lossless(**kw):
 @torch.inference_mode()
 def teacher_force(model, ids, cache):
     """Log-probs [CONT, vocab] of the continuation: prefill PROMPT, then one token per step."""
-    out = model(ids[:, :PROMPT], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :PROMPT], **{CACHE_ARG: cache}, use_cache=True)
     logits = [out.logits[0, -1]]
     for i in range(PROMPT, PROMPT + CONT - 1):
-        out = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        out = model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
         logits.append(out.logits[0, -1])
     return torch.stack(logits).float().log_softmax(-1)
 
@@ -130,10 +130,10 @@ def test_generate_greedy_matches_dynamic_at_near_lossless(model, passage):
         prompt,
         max_new_tokens=24,
         do_sample=False,
-        past_key_values=DynamicCache(config=model.config),
+        **{CACHE_ARG: DynamicCache(config=model.config)},
     )
     cache = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
-    got = model.generate(prompt, max_new_tokens=24, do_sample=False, past_key_values=cache)
+    got = model.generate(prompt, max_new_tokens=24, do_sample=False, **{CACHE_ARG: cache})
     assert got.shape == ref.shape
     assert cache.get_seq_length() == prompt.shape[1] + 24 - 1
     assert cache.memory_report()["compressed_tokens"] > 0
@@ -158,7 +158,7 @@ def test_generate_sampled_and_padded_batch(model, tokenizer, passage):
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **{CACHE_ARG: cache},
         max_new_tokens=16,
         do_sample=True,
         top_k=20,
@@ -176,14 +176,14 @@ def test_generate_sampled_and_padded_batch(model, tokenizer, passage):
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=batch,
+        **{CACHE_ARG: batch},
         max_new_tokens=8,
         do_sample=False,
         pad_token_id=pad,
     )
     alone = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
     ref = model.generate(
-        b[None], past_key_values=alone, max_new_tokens=8, do_sample=False, pad_token_id=pad
+        b[None], **{CACHE_ARG: alone}, max_new_tokens=8, do_sample=False, pad_token_id=pad
     )
     assert (out[1, 400:] == ref[0, 250:]).float().mean().item() >= 0.75
 
@@ -194,7 +194,7 @@ def test_beam_search_runs(model, passage):
     prompt = passage[:, :300]
     cache = KakeyaCache.from_model(model, k_params=k, v_params=v, residual_length=32)
     out = model.generate(
-        prompt, max_new_tokens=8, num_beams=3, do_sample=False, past_key_values=cache
+        prompt, max_new_tokens=8, num_beams=3, do_sample=False, **{CACHE_ARG: cache}
     )
     ref = model.generate(prompt, max_new_tokens=8, num_beams=3, do_sample=False)
     assert out.shape == ref.shape

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 import kakeyaturbo as kt
 from kakeyaturbo.eval.harness import compress_stream
 from kakeyaturbo.eval.registry import build_method
-from kakeyaturbo.hf import KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.pipeline import Pipeline
@@ -33,14 +33,14 @@ def _ids(tokenizer, eval_text) -> torch.Tensor:
 @torch.inference_mode()
 def _cache_blocks(model, ids, calibration=None):
     cache = KakeyaCache.from_model(model, residual_length=RESIDUAL, calibration=calibration)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
     return cache
 
 
 @torch.inference_mode()
 def _eval_blocks(model, ids, spec):
     ref = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=ref, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **{CACHE_ARG: ref}, use_cache=True, logits_to_keep=1)
     method = build_method(spec)
     method.recorded = {}
     rope = ModelRope(model.config) if method.options.pre_rope else None

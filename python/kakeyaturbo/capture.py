@@ -34,6 +34,8 @@ def capture_kv(model, input_ids: list[int], last_queries: int = 0) -> dict[str, 
     import torch
     from transformers import DynamicCache
 
+    from kakeyaturbo.hf import CACHE_ARG
+
     from .modeling import heads_first, kv_geometry, pre_rope_modules
 
     head_dim = kv_geometry(model.config).head_dim
@@ -53,7 +55,7 @@ def capture_kv(model, input_ids: list[int], last_queries: int = 0) -> dict[str, 
     cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
-            model(torch.tensor([input_ids]), past_key_values=cache, use_cache=True)
+            model(torch.tensor([input_ids]), **{CACHE_ARG: cache}, use_cache=True)
     finally:
         for h in hooks:
             h.remove()

@@ -30,6 +30,7 @@ from kakeyaturbo.eval.baselines import HFQuantizedCache
 from kakeyaturbo.eval.harness import compress_stream
 from kakeyaturbo.eval.methods import Method
 from kakeyaturbo.eval.registry import build_method
+from kakeyaturbo.hf import CACHE_ARG
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import KVGeometry, kv_geometry
 
@@ -49,7 +50,7 @@ def capture_kv(
     for start in range(0, ids.shape[1], chunk):
         model(
             input_ids=ids[:, start : start + chunk],
-            past_key_values=cache,
+            **{CACHE_ARG: cache},
             use_cache=True,
             logits_to_keep=1,
         )

@@ -36,6 +36,7 @@ from kakeyaturbo.eval import hot_window
 from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
+from kakeyaturbo.hf import CACHE_ARG
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import Passage
 
@@ -153,11 +154,11 @@ class Reference:
 
 
 def _prefill(model, prefix: torch.Tensor, cache) -> None:
-    model(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prefix, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
 
 
 def _continue(model, cache, cont: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=cont, past_key_values=cache, use_cache=True).logits.float()
+    return model(input_ids=cont, **{CACHE_ARG: cache}, use_cache=True).logits.float()
 
 
 @torch.inference_mode()

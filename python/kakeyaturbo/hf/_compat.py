@@ -3,7 +3,8 @@
 The v5 cache API moved between minor releases (``get_mask_sizes(cache_position)`` became
 ``get_mask_sizes(query_length)`` in 5.5, ``get_max_length`` appeared in 5.13, ``crop`` switched
 from "keep this many" to "remove this many" in 5.14/5.15, KV-shared layers became
-``DummyLayer`` entries in 5.23). We support the releases that have all of the current shape
+``DummyLayer`` entries in 5.23, the models' ``past_key_values`` argument became ``cache`` in
+5.24). We support the releases that have all of the current shape
 and check it once, at import, instead of failing deep inside ``generate``.
 """
 
@@ -60,6 +61,9 @@ DynamicSlidingWindowLayer = cache_utils.DynamicSlidingWindowLayer
 #: 5.23+ keeps one placeholder layer per KV-sharing consumer; older releases drop them from the
 #: end of the cache instead (the consumers never call ``update``).
 DummyLayer = getattr(cache_utils, "DummyLayer", None)
+#: The keyword a model's ``forward`` and ``generate`` take the cache by: ``cache`` from 5.24
+#: (``past_key_values`` still works there, with a FutureWarning, until 5.40).
+CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24.0") else "past_key_values"
 
 __all__ = [
     "TRANSFORMERS_VERSION",
@@ -70,4 +74,5 @@ __all__ = [
     "DynamicLayer",
     "DynamicSlidingWindowLayer",
     "DummyLayer",
+    "CACHE_ARG",
 ]

@@ -8,7 +8,8 @@ full-attention layers are plain ``DynamicLayer``; sliding/chunked layers are tra
 ``from_model`` also hooks the model's decoder so the cache sees each forward's ``position_ids``
 (needed to undo RoPE exactly in pre-RoPE mode, padded rows included) and 2-D ``attention_mask``
 (to keep the first *real* tokens of left-padded rows as attention sinks). The hook only reads
-forwards whose ``past_key_values`` is this cache, holds the cache weakly and goes away with it.
+forwards whose ``cache`` (``past_key_values`` before transformers 5.24) is this cache, holds
+the cache weakly and goes away with it.
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ class KakeyaCache(Cache):
                 return None
             bound = dict(zip(names, args))
             bound.update(kwargs)
-            if bound.get("past_key_values") is cache:
+            # The decoder takes the cache as ``cache`` from transformers 5.24 and as
+            # ``past_key_values`` before; a direct call may still use the old name.
+            if any(bound.get(name) is cache for name in ("cache", "past_key_values")):
                 coded = cache.coded_attention and (
                     getattr(module.config, "_attn_implementation", None) == ATTENTION_NAME
                 )
