@@ -13,6 +13,11 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
 - ``own-pool`` (with ``--threads`` above 1): ``whole`` with the codec on its own rayon pool
   (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads.
 
+With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
+coded across heads: ``joint`` attends over their codes (the logits and value-sum kernels over
+one virtual head of width heads x head_dim), ``joint-decode`` decodes every block each step
+(``coded_attention=False``).
+
 Each context is prefilled once per cache; then each repetition times ``--steps`` single-token
 forwards per path in turn (each forward's token cropped again, so every step sees the same
 cache). Prints each repetition and the medians' ratios to DynamicCache's step, and splits each
@@ -77,32 +82,48 @@ def main() -> None:
     ap.add_argument("--text", default="../shared/data/wikitext-2-raw-test.txt")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
     ap.add_argument("--calibration", default=None, help="a calibration bundle directory")
+    ap.add_argument(
+        "--joint-calibration", default=None, help="a bundle fitted with --joint-heads (optional)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    calibration = None
-    if args.calibration:
-        from kakeyaturbo.calibration import Calibration
+    from kakeyaturbo.calibration import Calibration
 
-        calibration = Calibration.load(args.calibration, model)
+    calibration, joint = (
+        Calibration.load(path, model) if path else None
+        for path in (args.calibration, args.joint_calibration)
+    )
     ids = torch.as_tensor(tokenize_text(tok, read_text(args.text))).reshape(1, -1)
     print(f"model {args.model}, torch threads {args.threads}, bundle {args.calibration}")
+    if joint is not None:
+        print(f"coded across heads: {args.joint_calibration}")
     for ctx in args.contexts:
-        run_context(model, ids[:, : ctx + 1], ctx, calibration, args)
+        run_context(model, ids[:, : ctx + 1], ctx, calibration, joint, args)
 
 
 @torch.inference_mode()
-def run_context(model, ids, ctx, calibration, args) -> None:
+def run_context(model, ids, ctx, calibration, joint, args) -> None:
     model.set_attn_implementation("sdpa")
     dense = DynamicCache()
     model(ids[:, :ctx], **{CACHE_ARG: dense})
-    coded = KakeyaCache.from_model(model, calibration=calibration, hot_dtype=torch.bfloat16)
-    model(ids[:, :ctx], **{CACHE_ARG: coded})
+
+    def prefilled(bundle, coded_attention=None):
+        cache = KakeyaCache.from_model(
+            model, calibration=bundle, hot_dtype=torch.bfloat16, coded_attention=coded_attention
+        )
+        model(ids[:, :ctx], **{CACHE_ARG: cache})
+        return cache
+
+    coded = prefilled(calibration)
     paths = {p: v for p, v in PATHS.items() if p != "own-pool" or args.threads > 1}
     runs = {"DynamicCache": (dense, None)} | {p: (coded, v) for p, v in paths.items()}
+    if joint is not None:
+        runs["joint"] = (prefilled(joint), PATHS["whole"])
+        runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
     times: dict[str, list[float]] = {name: [] for name in runs}
     attention: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(args.reps), desc=f"ctx {ctx}", leave=False):

@@ -15,7 +15,9 @@ counted as the evaluation counts it (value norms per head, one byte each). The j
 are calibration data like the bundle's frames and are not counted.
 
 `KakeyaCache`'s attention over the codes does not go through `roundtrip`; this is the
-evaluation's measure of the coding, not a shipped path.
+evaluation's measure of the coding, not a shipped path. The shipped one came after it:
+`kakeyaturbo calibrate --joint-heads` and `kakeya:calibration=<that bundle>` (docs/recipe.md
+item 11, `reports/joint_heads*.json`).
 """
 
 from __future__ import annotations

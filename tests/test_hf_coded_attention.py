@@ -39,13 +39,25 @@ def cpu_path(request, monkeypatch):
     torch softmax for more), the latter for every query length, and torch ops over decoded
     frame coordinates (what other devices run)."""
     import kakeyaturbo.hf.coded_attention as coded_attention
-    from kakeyaturbo.pipeline import Pipeline
 
     path = request.param
     monkeypatch.setattr(coded_attention, "CPU_KERNELS", path != "torch")
     if path == "kernel-sums":
         monkeypatch.setattr(coded_attention, "WHOLE_ATTENTION_ROWS", 0)
-    calls = []
+    calls = kernel_calls(monkeypatch)
+    yield path
+    # The path asked for is the one that ran (the whole attention: at least in decode steps).
+    want = {"kernels": "attend", "kernel-sums": "key_logits", "torch": None}[path]
+    assert (want in calls) if want else not calls
+    if path == "kernel-sums":
+        assert set(calls) == {"key_logits", "value_sums"}
+
+
+def kernel_calls(monkeypatch) -> list[str]:
+    """The names of the codec's attention calls made from now on (the real methods, counted)."""
+    from kakeyaturbo.pipeline import Pipeline
+
+    calls: list[str] = []
     for name in ("attend", "key_logits", "value_sums"):
         real = getattr(Pipeline, name)
 
@@ -54,12 +66,7 @@ def cpu_path(request, monkeypatch):
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(Pipeline, name, counted)
-    yield path
-    # The path asked for is the one that ran (the whole attention: at least in decode steps).
-    want = {"kernels": "attend", "kernel-sums": "key_logits", "torch": None}[path]
-    assert (want in calls) if want else not calls
-    if path == "kernel-sums":
-        assert set(calls) == {"key_logits", "value_sums"}
+    return calls
 
 
 @pytest.fixture
@@ -138,6 +145,37 @@ def test_coded_attention_matches_decoding(model, attend_calls, cpu_path, kw):
     cache = compare(model, ids, mask, 600, attend_calls, tol, residual_length=64, **kw)
     assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
     assert set(attend_calls) == {512, 576}
+
+
+@pytest.fixture(scope="module")
+def joint_calibration(model, model_dir, calib_text):
+    from transformers import AutoTokenizer
+
+    from kakeyaturbo.calibration import calibrate
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return calibrate(model, tok, calib_text, tokens=4096, progress=False, joint_heads=True)
+
+
+@pytest.mark.parametrize("key_norms", [False, True], ids=["default", "key-norms"])
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_coded_attention_across_heads_matches_decoding(
+    model, attend_calls, joint_calibration, monkeypatch, path, key_norms
+):
+    """Blocks coded across heads (one stream of H*D per row, per-head scales): the virtual
+    wide head of the kernels (RoPE pairs regrouped, zero-padded queries, scales folded into
+    the weights) or the decoded keys and values off the CPU, against decoding every block."""
+    import kakeyaturbo.hf.coded_attention as coded_attention
+
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", path == "kernels")
+    calls = kernel_calls(monkeypatch)
+    recipe = default_recipe(joint_calibration, block_size=64).replace(k_token_norms=key_norms)
+    assert recipe.joint_heads
+    ids, mask = padded_batch(model.config.vocab_size)
+    kw = {"recipe": recipe, "calibration": joint_calibration, "residual_length": 64}
+    cache = compare(model, ids, mask, 600, attend_calls, 1e-4, **kw)
+    assert all(len(blk.k.encs) == 2 for blk in cache.layers[0]._blocks)  # one stream per row
+    assert set(calls) == ({"key_logits", "value_sums"} if path == "kernels" else set())
 
 
 def test_generate_is_unchanged(model):

@@ -85,14 +85,18 @@ def test_eval_and_cache_store_identical_bytes_kt_ref_a(model_dir, eval_text):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("joint_heads", [False, True], ids=["per-head", "joint-heads"])
 def test_eval_and_cache_store_identical_bytes_with_calibration(
-    model_dir, eval_text, calib_text, tmp_path_factory
+    model_dir, eval_text, calib_text, tmp_path_factory, joint_heads
 ):
     from kakeyaturbo.calibration import calibrate
 
     model, tok = load_model(model_dir)
     bundle = tmp_path_factory.mktemp("calib") / "bundle"
-    calibrate(model, tok, calib_text, tokens=4096, ctx=512, progress=False).save(bundle)
+    calib = calibrate(
+        model, tok, calib_text, tokens=4096, ctx=512, progress=False, joint_heads=joint_heads
+    )
+    calib.save(bundle)
     ids = _ids(tok, eval_text)
     spec = f"kakeya:calibration={bundle},residual_length={RESIDUAL}"
     _assert_identical(_cache_blocks(model, ids, str(bundle)), _eval_blocks(model, ids, spec))

@@ -13,6 +13,12 @@ One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go thro
                          stream's range, at most 1.1% off), so the codec's error is relative
                          per token (small-norm tokens that draw much attention keep their
                          precision) and each decoded token is given its norm back (no shrinkage)
+    -> across heads      (recipe's ``joint_heads``, from a bundle fitted with --joint-heads)
+                         the heads' coordinates side by side, rotated by the bundle's frame
+                         across them: one stream per (block, batch row) of heads x head_dim;
+                         streams with token norms store each head's scale instead (its norm
+                         over its decoded norm, known once coded), so a decoder, or attention
+                         over the codes, never needs a head's decoded norm
     -> codec             one stream per (block, batch row, kv head): water-filling over the
                          frame's components at the layer's bits per value; a stored prefix's
                          newest ``recent_tokens`` form blocks of their own at ``recent_bits`` more
@@ -55,8 +61,10 @@ _IDENTITY = torch.empty(0, dtype=torch.float16)  # "no frame": a sequence too sh
 class CodedBlock:
     """One block of one stream: ``tokens`` tokens of every (batch row, kv head)."""
 
-    encs: list  # rows * heads kt.EncodedLayer, row-major over (batch row, kv head)
-    norms: Optional[NormCodes]  # token norms of streams coded with them, or None
+    encs: list  # rows * heads kt.EncodedLayer, row-major over (batch row, kv head); one per row
+    # coded across heads (joint_heads)
+    # Token norms of streams coded with them (across heads: each head's scale), or None.
+    norms: Optional[NormCodes]
     tokens: int
 
     @property
@@ -73,9 +81,11 @@ class CodedBlock:
         """Exact bytes held: serialized streams plus token norms."""
         return self.encoded_bytes + self.norm_bytes
 
-    def select_rows(self, order: list[int], heads: int) -> CodedBlock:
-        """The block for batch rows ``order`` (streams are shared, not re-encoded)."""
-        encs = [self.encs[r * heads + j] for r in order for j in range(heads)]
+    def select_rows(self, order: list[int], rows: int) -> CodedBlock:
+        """The block for batch rows ``order`` of its ``rows`` (streams are shared, not
+        re-encoded)."""
+        per = len(self.encs) // rows  # streams per row: its KV heads, or one across them
+        encs = [self.encs[r * per + j] for r in order for j in range(per)]
         norms = None if self.norms is None else self.norms.select_rows(torch.tensor(order))
         return CodedBlock(encs, norms, self.tokens)
 
@@ -91,6 +101,7 @@ class BlockRun:
     streams: int
     norms: Any  # (codes, bounds) lists as the kernels take token norms, or None
     tokens: int
+    blocks: tuple = ()  # the CodedBlocks laid out
 
 
 def _fit_frame(x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +142,17 @@ class Pipeline:
             from .calibration import KVTransforms
 
             self._transforms = KVTransforms(calibration, whiten=recipe.whiten)
+        if recipe.joint_heads:
+            if calibration is None or not calibration.joint_heads:
+                raise ValueError(
+                    "joint_heads needs a calibration bundle with frames across heads "
+                    "(kakeyaturbo calibrate --joint-heads)"
+                )
+            if not recipe.whiten:
+                raise ValueError("joint_heads: the frames across heads are fitted on whitened keys")
         # (layer, stream) -> [H, D, D] self-fitted frame, fitted on the first tokens coded.
         self._frames: dict[tuple[int, str], torch.Tensor] = {}
+        self._joint_frames: dict[tuple[int, str], torch.Tensor] = {}  # see joint_frame
 
     def fresh(self) -> Pipeline:
         """The same recipe and calibration with no self-fitted frame yet (an independent
@@ -194,7 +214,26 @@ class Pipeline:
             norms = full.half()
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-        return self.code_frame(y, layer, stream, norms, newer)
+        if not self.recipe.joint_heads:
+            return self.code_frame(y, layer, stream, norms, newer)
+        b, h, t, d = y.shape
+        y = y.permute(0, 2, 1, 3).reshape(b, 1, t, h * d) @ self._joint(layer, stream)
+        blocks = self.code_frame(y, layer, stream, norms, newer)
+        if norms is not None:
+            self._store_scales(blocks, layer, stream, norms)
+        return blocks
+
+    def _store_scales(self, blocks: list[CodedBlock], layer: int, stream: str, norms) -> None:
+        """Replace the blocks' token norms ``[B, H, T]`` by each head's scale: its norm over
+        the norm of its decoded unit vector (the decoder multiplies by it and divides by
+        nothing)."""
+        decoded = self._decode_joint(blocks, layer, stream, norms.shape[0], scaled=False)
+        scale = norms.float() / decoded.norm(dim=-1).clamp_min(1e-3)
+        scale = scale.clamp_max(torch.finfo(torch.float16).max).half()
+        start = 0
+        for blk in blocks:
+            blk.norms = encode_norms(scale[:, :, start : start + blk.tokens])
+            start += blk.tokens
 
     def code_frame(
         self,
@@ -230,7 +269,40 @@ class Pipeline:
     ) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU
         (keys rotated back to ``positions`` when given)."""
-        return self._from_frame(self.decode_frame(blocks, stream, rows), layer, stream, positions)
+        if self.recipe.joint_heads:
+            y = self._decode_joint(blocks, layer, stream, rows)
+        else:
+            y = self.decode_frame(blocks, stream, rows)
+        return self._from_frame(y, layer, stream, positions)
+
+    def _decode_joint(
+        self, blocks: list[CodedBlock], layer: int, stream: str, rows: int, scaled: bool = True
+    ) -> torch.Tensor:
+        """Blocks coded across heads -> each head's coding-frame coordinates ``[rows, H, T, D]``
+        (``scaled``: times its stored scale, for streams with token norms)."""
+        y = decode_blocks(blocks, rows)[:, 0] @ self._joint(layer, stream).T  # [rows, T, H*D]
+        heads = self._transforms.matrix(layer, stream, "inv").shape[0]  # type: ignore[union-attr]
+        y = y.reshape(rows, y.shape[1], heads, -1).permute(0, 2, 1, 3)
+        if scaled and self.recipe.token_norms(stream):
+            y = y * self.joint_scales(blocks)[..., None]
+        return y
+
+    def joint_scales(self, blocks: list[CodedBlock] | BlockRun) -> torch.Tensor:
+        """Each head's stored scale ``[rows, H, T]`` of blocks coded across heads with token
+        norms: head ``h`` of a token is its decoded coordinates' slice times this."""
+        if isinstance(blocks, BlockRun):
+            blocks = blocks.blocks
+        return decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
+
+    def joint_frame(self, layer: int, stream: str) -> torch.Tensor:
+        """``[H*D, H*D]`` float32 ``M``: the coordinates ``y`` of blocks coded across heads go
+        to the heads' ``x`` side by side (pre-RoPE keys, values) as ``y @ M`` (before each
+        head's scale, for streams with token norms)."""
+        key = (layer, stream)
+        if key not in self._joint_frames:  # bundle data, made once: nothing held per sequence
+            inv = self._transforms.matrix(layer, stream, "inv")  # type: ignore[union-attr]
+            self._joint_frames[key] = self._joint(layer, stream).T @ torch.block_diag(*inv)
+        return self._joint_frames[key]
 
     def decode_frame(self, blocks: list[CodedBlock], stream: str, rows: int) -> torch.Tensor:
         """:meth:`decode` up to the coding frame: ``y`` ``[rows, H, sum(tokens), D]`` float32,
@@ -251,6 +323,8 @@ class Pipeline:
         if not self.recipe.token_norms(stream):
             return y, None
         norms = decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
+        if norms.shape[1] != y.shape[1]:
+            raise ValueError("blocks coded across heads (joint_heads): decode them with decode()")
         # Each token gets its stored norm back: the quantiser's reconstruction shrinks
         # towards the mean, and shrunken keys flatten every softmax (a systematic perplexity
         # rise that a small MSE hides).
@@ -349,15 +423,19 @@ class Pipeline:
             return blocks
         encs, streams = _stream_major(blocks)
         norms = None
-        if self.recipe.token_norms(stream):  # their codes, decoded in the kernels
+        # Their codes, decoded in the kernels (across heads they are per-head scales, which
+        # attention over the codes applies itself).
+        if self.recipe.token_norms(stream) and not self.recipe.joint_heads:
             arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
             norms = [c for c, _ in arrays], [b for _, b in arrays]
         tokens = sum(blk.tokens for blk in blocks)
-        return BlockRun(_codec.core_layers(encs), streams, norms, tokens)
+        return BlockRun(_codec.core_layers(encs), streams, norms, tokens, tuple(blocks))
 
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
         :meth:`decode_frame` (None: the identity frame)."""
+        if self.recipe.joint_heads:
+            raise ValueError("blocks coded across heads (joint_heads): see joint_frame")
         if self._transforms is not None:
             return self._transforms.matrix(layer, stream, "inv")
         frame = self._frames[(layer, stream)]
@@ -409,6 +487,9 @@ class Pipeline:
         if positions is not None and stream == "k" and self.recipe.pre_rope:
             x = self._rope_for(layer).rotate(x, positions.cpu())
         return x
+
+    def _joint(self, layer: int, stream: str) -> torch.Tensor:
+        return self._transforms.joint(layer, stream)  # type: ignore[union-attr]
 
     def _rope_for(self, layer: int):
         if self._rope is None:

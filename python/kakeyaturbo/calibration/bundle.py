@@ -31,6 +31,10 @@ TENSOR_NAMES = (
 OPTIONAL_TENSOR_NAMES = (
     "v_inverse",  # inverse of v_transform (absent: v_transform is orthonormal)      [L,H,D,D]
 )
+# Frames across a layer's KV heads (``calibrate --joint-heads``), each [L, H*D, H*D]: an
+# orthonormal rotation, columns by descending variance, of the heads' coding-frame coordinates
+# side by side (keys: k_transform's; values: their unit vectors).
+JOINT_TENSOR_NAMES = ("k_joint", "v_joint")
 
 
 class CalibrationError(KakeyaTurboError, ValueError):
@@ -71,6 +75,12 @@ class Calibration:
     @property
     def num_layers(self) -> int:
         return int(self.fingerprint["num_hidden_layers"])
+
+    @property
+    def joint_heads(self) -> bool:
+        """Whether the bundle holds frames across each layer's KV heads (``k_joint``,
+        ``v_joint``): the pipeline then codes a layer's heads as one stream."""
+        return all(name in self.tensors for name in JOINT_TENSOR_NAMES)
 
     def save(self, out_dir: str | Path) -> Path:
         from safetensors.numpy import save_file
@@ -133,6 +143,20 @@ class Calibration:
                 )
             if not np.isfinite(self.tensors[name]).all():
                 raise CalibrationError(f"tensor {name!r} holds NaN or Inf")
+        joint = [name for name in JOINT_TENSOR_NAMES if name in self.tensors]
+        if joint and len(joint) != len(JOINT_TENSOR_NAMES):
+            raise CalibrationError(f"bundle holds {joint[0]!r} without its pair")
+        for name in joint:
+            m = self.tensors[name]
+            if tuple(m.shape) != (L, H * D, H * D):
+                raise CalibrationError(
+                    f"tensor {name!r} has shape {m.shape}, expected {(L, H * D, H * D)}"
+                )
+            # The decoder takes the transpose for the inverse: anything but a rotation would
+            # decode to something else than was coded.
+            err = np.abs(np.swapaxes(m, -1, -2) @ m - np.eye(H * D)).max()
+            if not np.isfinite(err) or err > 1e-3:
+                raise CalibrationError(f"tensor {name!r} is not orthonormal (error {err:.2g})")
 
     def check_model(self, model: Any) -> None:
         """Raises CalibrationError naming every field where the model differs."""

@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(output: a value error counted as the layer output sees it; not better on SmolLM2)",
     )
     p.add_argument(
+        "--joint-heads",
+        action="store_true",
+        help="also fit one coding frame across each layer's KV heads, which recipes built from "
+        "the bundle then code with: better quality per byte (docs/recipe.md), slower attention "
+        "over the codes (docs/speed.md)",
+    )
+    p.add_argument(
         "--ridge",
         type=float,
         default=1e-3,
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         ctx=args.ctx,
         ridge=args.ridge,
         value_metric=args.value_metric == "output",
+        joint_heads=args.joint_heads,
         command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     out = calib.save(args.out)

@@ -18,14 +18,19 @@ from .bundle import Calibration, model_fingerprint
 
 
 class _Moments:
-    """Running sums for one layer: sum x x^T per KV head for q (pooled), k and v, and sums."""
+    """Running sums for one layer: sum x x^T per KV head for q (pooled), k and v, and sums;
+    with ``joint``, also across the heads: the keys side by side and the values' unit vectors
+    side by side (``[H*D, H*D]``), for the frames across heads."""
 
-    def __init__(self, heads: int, d: int):
+    def __init__(self, heads: int, d: int, joint: bool = False):
         self.qq = np.zeros((heads, d, d))
         self.kk = np.zeros((heads, d, d))
         self.vv = np.zeros((heads, d, d))
         self.k = np.zeros((heads, d))
         self.v = np.zeros((heads, d))
+        self.kk_joint = np.zeros((heads * d, heads * d)) if joint else None
+        self.uu_joint = np.zeros((heads * d, heads * d)) if joint else None
+        self.u = np.zeros(heads * d)
         self.nq = 0
         self.n = 0
 
@@ -38,22 +43,37 @@ class _Moments:
         self.vv += np.einsum("thd,the->hde", v, v)
         self.k += k.sum(0)
         self.v += v.sum(0)
+        if self.kk_joint is not None:
+            side = k.reshape(t, -1)
+            self.kk_joint += side.T @ side
+            # Values are coded as unit vectors (the recipe's token norms): their frame is fitted
+            # on those, which no per-head moment gives.
+            u = v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-30)
+            side = u.reshape(t, -1)
+            self.uu_joint += side.T @ side
+            self.u += side.sum(0)
         self.nq += t * group
         self.n += t
 
 
 def collect_moments(
-    model, token_ids: list[int], ctx: int = 1024, progress: bool = True, rope=None
+    model,
+    token_ids: list[int],
+    ctx: int = 1024,
+    progress: bool = True,
+    rope=None,
+    joint: bool = False,
 ) -> list[_Moments]:
     """Runs ``token_ids`` through the model in windows of ``ctx`` tokens. With ``rope`` (a
     :class:`~kakeyaturbo.hf.rope.ModelRope`) the queries and keys are taken post-RoPE, each
-    window's tokens at positions 0.. (for post-RoPE key frames)."""
+    window's tokens at positions 0.. (for post-RoPE key frames). ``joint``: also the moments
+    across heads (:class:`_Moments`)."""
     import torch
 
     geo = kv_geometry(model.config)
     d, hq, hkv = geo.head_dim, geo.query_heads, geo.kv_heads
     layers = model.model.layers
-    moments = [_Moments(hkv, d) for _ in layers]
+    moments = [_Moments(hkv, d, joint) for _ in layers]
     current: dict[tuple[int, str], np.ndarray] = {}
     n_tokens = [0]  # tokens of the window in flight
     hooks = []
@@ -169,7 +189,40 @@ def fit_bundle(
                 per["v_inverse"].append(np.linalg.inv(tv))
         for k in out:
             out[k].append(np.stack(per[k]))
+    tensors = {k: np.stack(v).astype(np.float32) for k, v in out.items()}
+    if all(m.kk_joint is not None for m in moments):
+        if value_metrics is not None:
+            raise ValueError(
+                "joint frames need orthonormal value frames: the output value metric changes "
+                "the values' norms, which the unit vectors are fitted without"
+            )
+        tensors.update(_joint_frames(moments, tensors))
+    return tensors
+
+
+def _joint_frames(moments: list[_Moments], t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per layer, the PCA across KV heads of the coordinates the pipeline hands to the joint
+    frame: keys in each head's query-aware frame (``k @ k_transform``), values as unit vectors
+    in each head's (orthonormal) PCA frame, heads side by side."""
+    out: dict[str, list] = {"k_joint": [], "v_joint": []}
+    for li, m in enumerate(moments):
+        blocks = {s: _block_diagonal(t[f"{s}_transform"][li].astype(np.float64)) for s in "kv"}
+        mean_k = m.k.reshape(-1) / m.n
+        cov_k = m.kk_joint / m.n - np.outer(mean_k, mean_k)
+        mean_u = m.u / m.n
+        cov_u = m.uu_joint / m.n - np.outer(mean_u, mean_u)
+        for name, cov, frame in (("k_joint", cov_k, blocks["k"]), ("v_joint", cov_u, blocks["v"])):
+            out[name].append(_eig_desc(frame.T @ cov @ frame)[1])
     return {k: np.stack(v).astype(np.float32) for k, v in out.items()}
+
+
+def _block_diagonal(per_head: np.ndarray) -> np.ndarray:
+    """``[H, D, D]`` -> the ``[H*D, H*D]`` matrix applying head ``h``'s to its own channels."""
+    h, d, _ = per_head.shape
+    out = np.zeros((h * d, h * d))
+    for i in range(h):
+        out[i * d : (i + 1) * d, i * d : (i + 1) * d] = per_head[i]
+    return out
 
 
 def calibrate(
@@ -182,15 +235,20 @@ def calibrate(
     progress: bool = True,
     command: Optional[str] = None,
     value_metric: bool = False,
+    joint_heads: bool = False,
 ) -> Calibration:
     """Fits a bundle on the first ``tokens`` tokens of ``text_file``. ``value_metric=True``
     codes values in the output-weighted frame (:func:`value_output_metrics`); measured on
-    SmolLM2 it did not pay (``docs/recipe.md``), so the values keep their plain PCA frame."""
+    SmolLM2 it did not pay (``docs/recipe.md``), so the values keep their plain PCA frame.
+    ``joint_heads=True`` adds frames across each layer's KV heads (``k_joint``, ``v_joint``):
+    recipes built from the bundle then code a layer's heads as one stream."""
+    if joint_heads and value_metric:
+        raise ValueError("joint_heads and value_metric cannot be combined (see fit_bundle)")
     text = Path(text_file).read_text(encoding="utf-8")
     ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < ctx:
         raise ValueError(f"text_file: {len(ids)} tokens is too little to calibrate (need {ctx})")
-    moments = collect_moments(model, ids, ctx=ctx, progress=progress)
+    moments = collect_moments(model, ids, ctx=ctx, progress=progress, joint=joint_heads)
     value_metrics = value_output_metrics(model) if value_metric else None
     if value_metric and value_metrics is None:
         warnings.warn(
@@ -205,6 +263,7 @@ def calibrate(
         "text_file": Path(text_file).name,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
         "value_metric": "output" if value_metrics is not None else "none",
+        "joint_heads": joint_heads,
     }
     if command:
         meta["command"] = command

@@ -36,6 +36,11 @@ class KVTransforms:
             ),
         }
         self.num_layers = calib.num_layers
+        self._joint = {
+            s: torch.from_numpy(np.ascontiguousarray(t[f"{s}_joint"], dtype=np.float32))
+            for s in "kv"
+            if f"{s}_joint" in t
+        }
 
     def matrix(self, layer: int, stream: str, way: str) -> torch.Tensor:
         """``[H, D, D]`` float32 ``m`` of ``layer``'s ``stream``: ``y = x @ m`` (``way="fwd"``)
@@ -43,6 +48,15 @@ class KVTransforms:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
         return self._mats[(stream, way)][layer]
+
+    def joint(self, layer: int, stream: str) -> torch.Tensor:
+        """``[H*D, H*D]`` float32 orthonormal ``J`` of ``layer``'s ``stream``: the heads'
+        coding-frame coordinates side by side, ``y``, go to ``y @ J``."""
+        if stream not in self._joint:
+            raise ValueError("the calibration bundle has no frames across heads (--joint-heads)")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        return self._joint[stream][layer]
 
     def _apply(self, x: torch.Tensor, layer: int, stream: str, way: str) -> torch.Tensor:
         if x.dim() != 4:

@@ -26,7 +26,14 @@ from kakeyaturbo.recipes import Recipe, default_recipe
 
 __all__ = ["Kakeya"]
 
-_RECIPE_KEYS = ("k_token_norms", "v_token_norms", "whiten", "recent_tokens", "recent_bits")
+_RECIPE_KEYS = (
+    "k_token_norms",
+    "v_token_norms",
+    "whiten",
+    "recent_tokens",
+    "recent_bits",
+    "joint_heads",
+)
 
 
 @register(

@@ -14,7 +14,15 @@ computes one softmax over the coded and the exact tokens:
 - **values** are never taken out of the frame per token: attention is linear in them, so
   ``sum_t p_t v_t = (sum_t p_t y_t) @ M`` and the frame ``M`` is applied once per query;
 - **sinks** are read exact: their coded slots (which hold the block mean) are masked out and the
-  exact sink keys and values lead the exact part.
+  exact sink keys and values lead the exact part;
+- **blocks coded across heads** (the recipe's ``joint_heads``: one stream of ``H*D``
+  coordinates per row) are read as one virtual KV head of width ``H*D``: the frame takes the
+  coordinates to all heads' keys side by side, each head's RoPE pairs laid out so that the
+  kernel's pairs ``(i, i + H*rot_dim/2)`` are real pairs with the angles tiled ``H`` times, and
+  each query head's query is zero outside its own head's channels; the value sums run over the
+  joint coordinates with each head's stored scale folded into its weights, and each head's
+  slice of the joint frame turns them out. Three times the key frame product of per-head
+  frames on a 3-head layer: the cost of the better coding (``docs/speed.md``).
 
 On the CPU the codec computes both sums itself (``Pipeline.key_logits`` / ``value_sums``, the
 Rust ``coded_attention`` kernels; for a decode step's few query rows the whole attention,
@@ -137,13 +145,16 @@ class CodedView:
         key_runs, value_runs = [*self.runs[0], key], [*self.runs[1], value]
 
         kernels = CPU_KERNELS and dev.type == "cpu"
-        if kernels and g * tq <= WHOLE_ATTENTION_ROWS:
+        joint = pipe.recipe.joint_heads
+        if kernels and g * tq <= WHOLE_ATTENTION_ROWS and not joint:
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
         # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
         key, value = torch.cat(key_runs, dim=-2).float(), torch.cat(value_runs, dim=-2).float()
-        if kernels:
+        if joint:
+            coded = self._joint_logits(q, kernels)
+        elif kernels:
             coded = self._codec_logits(q, self.held.keys)
         else:
             coded = self._torch_logits(q, [blk.k for blk in self.blocks], dev)
@@ -157,7 +168,9 @@ class CodedView:
         # A query row with every key masked (a padded row) gets zeros, not NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).view(b, h, g * tq, -1)
 
-        if kernels:
+        if joint:
+            out = self._joint_value_sums(probs[..., :clen], kernels)
+        elif kernels:
             out = pipe.value_sums(self.held.values, b, probs[..., :clen])
         else:
             values, v_scale = pipe.decode_codes([blk.v for blk in self.blocks], "v", b)
@@ -165,7 +178,7 @@ class CodedView:
             if v_scale is not None:
                 weights = weights * v_scale.to(dev)[:, :, None]
             out = weights @ values.to(dev)
-        frame = pipe.frame_inverse(li, "v")
+        frame = None if joint else pipe.frame_inverse(li, "v")
         if frame is not None:
             out = out @ frame.to(dev)
         out += probs[..., clen:] @ value
@@ -220,6 +233,71 @@ class CodedView:
             return pipe.key_logits(kb, q.shape[0], qf, None, None)
         frame, (q,) = self._split_layout(frame, q)
         return pipe.key_logits(kb, q.shape[0], q, frame, self._rotation("split"))
+
+    def _joint_logits(self, q: torch.Tensor, kernels: bool) -> torch.Tensor:
+        """:meth:`_codec_logits` of blocks coded across heads (``[B, H, g*Tq, coded]``): by the
+        codec's kernel as one virtual KV head of width ``H*D`` (see the module docstring), or,
+        off the CPU, against the decoded keys."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        b, h, rows, d = q.shape
+        if not kernels:
+            pos = None
+            if lay._rope is not None:
+                pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
+            keys = pipe.decode([blk.k for blk in self.blocks], li, "k", b, pos)
+            return q @ keys.to(q.device).transpose(-1, -2)
+        wide = q.new_zeros(b, 1, h * rows, h * d)
+        for i in range(h):  # query head i*g + j reads KV head i: its own channels only
+            wide[:, 0, i * rows : (i + 1) * rows, i * d : (i + 1) * d] = q[:, i]
+        frame, rotation = pipe.joint_frame(li, "k"), None
+        if lay._rope is not None:
+            rope = lay._rope
+            order = self._shared(
+                ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs),
+                (),
+                lambda: self._joint_order(h, d),
+            )
+            frame, wide = frame[:, order], wide[..., order]
+            rotation = self._shared(
+                ("joint rotation", h, self.held.positions),
+                (lay._rope.inv_freq,),
+                lambda: self._rotation("split").repeat(1, 1, 1, h),
+            )
+        logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation)
+        logits = logits.view(b, h, rows, -1)
+        if pipe.recipe.token_norms("k"):
+            logits = logits * pipe.joint_scales(self.held.keys)[:, :, None]
+        return logits
+
+    def _joint_order(self, h: int, d: int) -> torch.Tensor:
+        """The channel order of ``H`` heads side by side in which the kernel's pairs ``(i, i +
+        H*rot_dim/2)`` are each head's RoPE pairs: every head's first halves, then every head's
+        second halves (the same order), then the unrotated channels."""
+        rope = self.layer._rope
+        half = rope.rot_dim // 2
+        own = rope.split_order(d)
+        own = torch.arange(d) if own is None else own
+        parts = (own[:half], own[half : 2 * half], own[2 * half :])
+        return torch.cat([i * d + part for part in parts for i in range(h)])
+
+    def _joint_value_sums(self, weights: torch.Tensor, kernels: bool) -> torch.Tensor:
+        """``sum_t weights_t v_t`` ``[B, H, g*Tq, D]`` over values coded across heads: the
+        codec's sums over the joint coordinates, each head's scale folded into its weights and
+        each head's slice of the joint frame turning them out (or, off the CPU, over the
+        decoded values)."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        b, h, rows, t = weights.shape
+        if not kernels:
+            values = pipe.decode([blk.v for blk in self.blocks], li, "v", b)
+            return weights @ values.to(weights.device)
+        if pipe.recipe.token_norms("v"):
+            weights = weights * pipe.joint_scales(self.held.values)[:, :, None]
+        sums = pipe.value_sums(self.held.values, b, weights.reshape(b, 1, h * rows, t))
+        frame = pipe.joint_frame(li, "v")  # [H*D, H*D]: head i's values are columns i*D..
+        per_head = frame.view(frame.shape[0], h, -1).transpose(0, 1)  # [H, H*D, D]
+        return sums.view(b, h, rows, -1) @ per_head
 
     def _split_layout(
         self, frame: torch.Tensor | None, *tensors: torch.Tensor

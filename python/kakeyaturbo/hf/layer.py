@@ -664,8 +664,7 @@ class KakeyaLayer(CacheLayerMixin):
     def _select_rows(self, rows: torch.Tensor) -> None:
         """Rebuild every per-row structure for batch rows ``rows`` (reorder, select, repeat)."""
         rows_dev = rows.to(self.device)
-        h = self._heads
-        order = rows.tolist()
+        before, order = self._rows, rows.tolist()
         self._held = None
         if self._buf_k is not None:
             if len(order) == self._rows:  # beam reorder: same bytes, keep the buffer
@@ -685,8 +684,8 @@ class KakeyaLayer(CacheLayerMixin):
             self._sink_k = self._sink_k.index_select(0, rows_dev)
             self._sink_v = self._sink_v.index_select(0, rows_dev)
         for blk in self._blocks:
-            blk.k = blk.k.select_rows(order, h)
-            blk.v = blk.v.select_rows(order, h)
+            blk.k = blk.k.select_rows(order, before)
+            blk.v = blk.v.select_rows(order, before)
             if blk.pos is not None:
                 blk.place(blk.pos.index_select(0, rows_dev))
             if blk.decoded is not None:
