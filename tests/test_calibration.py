@@ -25,7 +25,8 @@ def model_and_tok(model_dir):
 @pytest.fixture(scope="module")
 def bundle(model_and_tok, calib_text, tmp_path_factory):
     model, tok = model_and_tok
-    calib = calibrate(model, tok, calib_text, tokens=4096, progress=False)
+    # Per-head frames (tests/test_joint_heads.py has the default's frames across heads).
+    calib = calibrate(model, tok, calib_text, tokens=4096, progress=False, joint_heads=False)
     path = calib.save(tmp_path_factory.mktemp("calib"))
     return calib, path
 
@@ -91,6 +92,7 @@ def test_output_weighted_value_frame_weighs_errors_as_the_output_sees_them(
         x = torch.from_numpy(real_kv[f"layer{layer}.v"])[None]
         back = t.inverse(t.forward(x, layer, "v"), layer, "v")
         torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
+    assert loaded.meta["joint_heads"] is False  # joint frames by default, never with this metric
     # The default bundle keeps the orthonormal frame and no inverse beside it.
     plain = calibrate(model, tok, calib_text, tokens=1024, progress=False)
     assert "v_inverse" not in plain.tensors and plain.meta["value_metric"] == "none"
@@ -222,6 +224,7 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
         # The top layer's error reaches no layer above it: both protocols agree there.
         assert fwd["kl"][s][-1] == pytest.approx(snap["kl"][s][-1], rel=1e-4)
         assert both["kl"][s] == pytest.approx([a + b for a, b in zip(snap["kl"][s], fwd["kl"][s])])
+        assert both["kl_by_mode"]["in-forward"][s] == pytest.approx(fwd["kl"][s])
     # Errors carried through the layers above cost more than one layer's error alone.
     assert sum(fwd["kl"]["k"] + fwd["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
     assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3

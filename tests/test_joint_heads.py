@@ -113,6 +113,17 @@ def test_joint_round_trip_is_near_exact_at_high_bits(joint_bundle, real_kv):
             assert float((ratio - 1).abs().max()) < 0.012
 
 
+def test_frames_across_heads_are_derived_once_per_bundle(joint_bundle):
+    """What attention reads (the joint frame times the heads' inverse frames) is bundle data:
+    every pipeline on one bundle, every cache and sequence, shares one tensor; none holds
+    its own (8.8 MB per cache on SmolLM2 when each did)."""
+    calib, _ = joint_bundle
+    a, b = Pipeline(default_recipe(calib), calib), Pipeline(default_recipe(calib), calib)
+    assert a.joint_frame(1, "k") is b.joint_frame(1, "k") is a.fresh().joint_frame(1, "k")
+    assert a.joint_frame(1, "v") is not a.joint_frame(1, "k")
+    assert "derived" not in repr(calib)
+
+
 def test_joint_heads_needs_a_bundle_with_joint_frames(model_and_tok, calib_text, joint_bundle):
     calib, _ = joint_bundle
     with pytest.raises(ValueError, match="--joint-heads"):
@@ -152,3 +163,34 @@ def test_cache_with_joint_frames_generates_and_accounts_its_bytes(
     held = sum(b.k.nbytes + b.v.nbytes for lay in cache.layers for b in lay._blocks)
     if beams == 1:  # (beams may share a block's streams, which the report counts once)
         assert cache.memory_report()["compressed_bytes"] == held > 0
+
+
+def test_calibrate_command_defaults_to_joint_frames_and_both_scans():
+    """What `kakeyaturbo calibrate` fits with no flags: joint frames (resolved by calibrate(),
+    off with --value-metric output) and per-layer bits from both scans."""
+    from kakeyaturbo.cli import build_parser
+
+    data = ["calibrate", "--model", "m", "--text", "t", "--out", "o"]
+    args = build_parser("calibrate").parse_args(data)
+    assert args.joint_heads is None and args.sensitivity_mode == "both"
+    assert build_parser("calibrate").parse_args([*data, "--no-joint-heads"]).joint_heads is False
+    assert build_parser("calibrate").parse_args([*data, "--joint-heads"]).joint_heads is True
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "head_dim", "joint"),
+    [(3, 64, True), (2, 64, True), (8, 64, True), (1, 256, False), (8, 128, False)],
+    ids=["smollm2", "kt-ref-a", "llama-3.2-1b", "gemma-3-1b", "llama-3-8b"],
+)
+def test_frames_across_heads_by_default_where_they_fit(kv_heads, head_dim, joint):
+    """One KV head has nothing to share; past 512 values a layer keeps per-head frames (the
+    frames grow with the square of the width, attention's frame product with the heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kakeyaturbo.calibration.fit import default_joint_heads
+
+    cfg = LlamaConfig(
+        vocab_size=32, hidden_size=48 * kv_heads, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=kv_heads * 2, num_key_value_heads=kv_heads, head_dim=head_dim,
+    )
+    assert default_joint_heads(LlamaForCausalLM(cfg)) is joint

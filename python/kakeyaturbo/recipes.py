@@ -23,11 +23,13 @@ Why the default is what it is (measured on SmolLM2-135M, see ``docs/recipe.md``)
    what its continuation reads most (holding 32 of them exact halved KL on SmolLM2), so they
    are coded at ``recent_bits`` more bits than the rest. ``KakeyaCache`` holds its newest
    ``residual_length`` tokens exact anyway, so there the rule never applies.
-8. **One frame across a layer's KV heads** where the bundle has one (``calibrate
-   --joint-heads``, ``joint_heads``): the heads' coordinates are correlated, and one rotation
-   across them saves about 0.3 bits per value on SmolLM2. Off unless asked for: attention over
-   such codes makes every head's keys from all heads' coordinates (3x the key frame product on
-   a 3-head layer).
+8. **One frame across a layer's KV heads** where the bundle has one (``joint_heads``; what
+   ``calibrate`` fits for layers of 2 or more KV heads at most 512 values wide, unless
+   ``--no-joint-heads``): the heads' coordinates are correlated, and one rotation across
+   them saves about 0.3 bits per value on SmolLM2, which with per-layer bits from both
+   sensitivity scans makes the recipe ACCEPT in snapshot and in-forward mode at 5.2x. The
+   price is speed: attention over such codes makes every head's keys from all heads'
+   coordinates (3x the key frame product on a 3-head layer, ``docs/speed.md``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Recipe:
     at coding time get that many more bits (a stored prefill's last tokens are the ones its
     continuation reads most; ``KakeyaCache`` holds them exact in its hot window anyway).
     ``joint_heads``: code each layer's KV heads as one stream in the calibration bundle's
-    frame across them (needs a bundle fitted with ``--joint-heads``)."""
+    frame across them (needs a bundle with those frames, ``calibrate``'s default)."""
 
     k: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[0]))
     v: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[1]))

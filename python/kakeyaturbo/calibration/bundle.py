@@ -71,6 +71,9 @@ class Calibration:
     fingerprint: dict[str, Any]
     tensors: dict[str, np.ndarray]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: What users of the bundle derive from its tensors, kept here so that it is made once per
+    #: bundle and shared by every cache and sequence coded with it (never saved).
+    derived: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:

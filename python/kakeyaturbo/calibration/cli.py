@@ -28,10 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sensitivity-mode",
         choices=["snapshot", "in-forward", "both"],
-        default="snapshot",
+        default="both",
         help="protocol of the scan: snapshot (each layer alone on exact inputs), in-forward "
-        "(each layer's error carried through the layers above it) or both (their KLs summed: "
-        "for servers that code chunked prefills; twice the scan time)",
+        "(each layer's error carried through the layers above it) or both (their KLs summed, "
+        "the default: the bits then hold in both modes; twice the scan time of one)",
     )
     p.add_argument(
         "--value-metric",
@@ -42,10 +42,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--joint-heads",
-        action="store_true",
-        help="also fit one coding frame across each layer's KV heads, which recipes built from "
-        "the bundle then code with: better quality per byte (docs/recipe.md), slower attention "
-        "over the codes (docs/speed.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fit one coding frame across each layer's KV heads, which recipes built from the "
+        "bundle then code with: better quality per byte (docs/recipe.md item 11), slower "
+        "attention over the codes (docs/speed.md). Default: on for layers of 2 or more KV heads "
+        "at most 512 values wide, unless --value-metric output; --no-joint-heads keeps a frame "
+        "per KV head",
     )
     p.add_argument(
         "--ridge",

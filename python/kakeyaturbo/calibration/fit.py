@@ -225,6 +225,20 @@ def _block_diagonal(per_head: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Widest layer (KV heads x head dim) coded across heads by default: the frames are
+#: ``width^2`` floats per layer and stream, and attention over the codes makes every head's
+#: keys from all ``width`` coordinates (``H`` times the per-head frame product).
+JOINT_MAX_WIDTH = 512
+
+
+def default_joint_heads(model) -> bool:
+    """Whether ``calibrate`` fits frames across heads unless told: for layers of 2 or more KV
+    heads (one head has nothing to share) at most :data:`JOINT_MAX_WIDTH` wide (SmolLM2: 3 x
+    64, where it was measured; a Llama-3-8B layer, 8 x 128, keeps per-head frames)."""
+    geo = kv_geometry(model.config)
+    return 2 <= geo.kv_heads and geo.kv_heads * geo.head_dim <= JOINT_MAX_WIDTH
+
+
 def calibrate(
     model,
     tokenizer,
@@ -235,15 +249,22 @@ def calibrate(
     progress: bool = True,
     command: Optional[str] = None,
     value_metric: bool = False,
-    joint_heads: bool = False,
+    joint_heads: Optional[bool] = None,
 ) -> Calibration:
     """Fits a bundle on the first ``tokens`` tokens of ``text_file``. ``value_metric=True``
     codes values in the output-weighted frame (:func:`value_output_metrics`); measured on
     SmolLM2 it did not pay (``docs/recipe.md``), so the values keep their plain PCA frame.
-    ``joint_heads=True`` adds frames across each layer's KV heads (``k_joint``, ``v_joint``):
-    recipes built from the bundle then code a layer's heads as one stream."""
+    ``joint_heads`` adds frames across each layer's KV heads (``k_joint``, ``v_joint``):
+    recipes built from the bundle then code a layer's heads as one stream, which measured
+    better per byte on SmolLM2 (``docs/recipe.md`` item 11). By default (None) it is on where
+    it fits, see :func:`default_joint_heads`."""
+    if joint_heads is None:
+        joint_heads = not value_metric and default_joint_heads(model)
     if joint_heads and value_metric:
-        raise ValueError("joint_heads and value_metric cannot be combined (see fit_bundle)")
+        raise ValueError(
+            "joint_heads and value_metric cannot be combined (see fit_bundle): pass "
+            "joint_heads=False (--no-joint-heads) with value_metric"
+        )
     text = Path(text_file).read_text(encoding="utf-8")
     ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < ctx:

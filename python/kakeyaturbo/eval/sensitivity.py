@@ -30,20 +30,25 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
     ps = cut_passages(ids, passages, ctx + n_eval + 1)
     ref = prepare_reference(model, ps, ctx, n_eval)
     n_layers = model.config.num_hidden_layers
-    kl: dict[str, list[float]] = {"k": [], "v": []}
-    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
     modes = ("snapshot", "in-forward") if mode == "both" else (mode,)
+    per_mode: dict[str, dict[str, list[float]]] = {m: {"k": [], "v": []} for m in modes}
+    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
     for s, i in tqdm(jobs, desc="sensitivity", disable=not progress):
         spec = (
             f"kakeya:calibration={bundle_dir},layer_bits=false,bits_per_value={probe_bits},"
             f"layers={i},streams={s},passthrough=exact"
         )
         method = build_method(spec)  # one bundle load per stream, whatever the modes
-        kl[s].append(sum(float(evaluate_method(model, ref, method, m)["kl"]) for m in modes))
-    return {
+        for m in modes:
+            per_mode[m][s].append(float(evaluate_method(model, ref, method, m)["kl"]))
+    kl = {s: [sum(v) for v in zip(*(per_mode[m][s] for m in modes))] for s in ("k", "v")}
+    out = {
         "mode": mode,
         "probe_bits": probe_bits,
         "passages": passages,
         "kl": kl,
         "offsets": joint_offsets(kl),
     }
+    if mode == "both":  # each protocol's own KLs, so other blends need no second scan
+        out["kl_by_mode"] = per_mode
+    return out
