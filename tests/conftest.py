@@ -48,6 +48,15 @@ def calib_text() -> Path:
     return _require(CALIB_TEXT)
 
 
+@pytest.fixture(scope="module")
+def model_and_tok(model_dir):
+    """kt-ref-a and its tokenizer, loaded once per test module (tests may switch its attention
+    implementation, so modules do not share one)."""
+    from kakeyaturbo.modeling import load_model
+
+    return load_model(model_dir)
+
+
 @pytest.fixture(scope="session")
 def real_kv(model_dir, eval_text):
     """K (post- and pre-RoPE) and V of every layer of kt-ref-a over 1,024 tokens of

@@ -16,13 +16,6 @@ from kakeyaturbo.calibration import Calibration, CalibrationError, KVTransforms,
 
 
 @pytest.fixture(scope="module")
-def model_and_tok(model_dir):
-    from kakeyaturbo.modeling import load_model
-
-    return load_model(model_dir)
-
-
-@pytest.fixture(scope="module")
 def bundle(model_and_tok, calib_text, tmp_path_factory):
     model, tok = model_and_tok
     # Per-head frames (tests/test_joint_heads.py has the default's frames across heads).

@@ -18,13 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_and_tok(model_dir):
-    from kakeyaturbo.modeling import load_model
-
-    return load_model(model_dir)
-
-
-@pytest.fixture(scope="module")
 def joint_bundle(model_and_tok, calib_text, tmp_path_factory):
     model, tok = model_and_tok
     calib = calibrate(model, tok, calib_text, tokens=4096, progress=False, joint_heads=True)

@@ -30,7 +30,7 @@ class _Moments:
         self.v = np.zeros((heads, d))
         self.kk_joint = np.zeros((heads * d, heads * d)) if joint else None
         self.uu_joint = np.zeros((heads * d, heads * d)) if joint else None
-        self.u = np.zeros(heads * d)
+        self.u = np.zeros(heads * d) if joint else None  # sum of the unit vectors side by side
         self.nq = 0
         self.n = 0
 
