@@ -98,6 +98,8 @@ class StepClock:
         self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids, scores):
+        if scores.is_cuda:  # the step's kernels are queued, not done, until a sync
+            torch.cuda.synchronize(scores.device)
         self.stamps.append(time.perf_counter())
         self.logprobs.append(scores[0].float().log_softmax(-1))
         return scores
@@ -273,6 +275,13 @@ def main(argv=None) -> None:
         "the codes then scores keys in their frame, without the per-token frame product",
     )
     ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs (cuda: KakeyaCache's codec still runs on the CPU, and each "
+        "step decodes the coded blocks there and moves them to the GPU)",
+    )
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -290,10 +299,11 @@ def main(argv=None) -> None:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype)
+    model.to(args.device)
     need = max(args.contexts)
     text = args.text.read_text(encoding="utf-8")
-    all_ids = tok(text[: 8 * need], return_tensors="pt").input_ids
+    all_ids = tok(text[: 8 * need], return_tensors="pt").input_ids.to(args.device)
     if all_ids.shape[1] < need:
         raise SystemExit(f"{args.text} gives only {all_ids.shape[1]} tokens; need {need}")
     backend, why = quantized_backend(model, all_ids)
@@ -312,7 +322,11 @@ def main(argv=None) -> None:
     to_bf16 = 16 / torch.finfo(model.dtype).bits
 
     threads = torch.get_num_threads()
-    print(f"model {args.model.name}, torch threads {threads}, kakeyaturbo {kt.__version__}")
+    where = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "CPU"
+    print(
+        f"model {args.model.name} ({model.dtype}) on {where}, torch threads {threads}, "
+        f"kakeyaturbo {kt.__version__}"
+    )
     print(f"kakeya recipe: K {recipe.k.to_dict()}\n               V {recipe.v.to_dict()}")
     hot = args.hot_dtype if args.hot_dtype != "model" else f"the model's ({model.dtype})"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
@@ -346,7 +360,14 @@ def main(argv=None) -> None:
                     0 if frac == 0 else (1 << 40 if frac == float("inf") else int(frac * dense))
                 )
                 make = kakeya_factory(model, budget, coded, options)
-            run(model, ids[:, :64], make, 2)  # warm-up (quanto JIT, allocator)
+            # Warm-up (quanto JIT, allocator). On a GPU, the timed call itself: on an H100
+            # (torch 2.11, bfloat16) a process's first decode over a set of key lengths took
+            # ~8x the time of the second (6 ms per sdpa call, reports/gpu_h100.txt), so the
+            # timed call measures a server that has seen these lengths.
+            if ids.is_cuda:
+                run(model, ids, make, args.new_tokens, ref)
+            else:
+                run(model, ids[:, :64], make, 2)
             gen, lp, prefill, tps, nbytes, cache, peak = run(
                 model, ids, make, args.new_tokens, ref
             )

@@ -7,8 +7,8 @@
 # (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution,
 # the per-head bundle (the default before docs/recipe.md item 11) and the output-weighted value
 # frame beside it, one frame across heads with the snapshot scan alone, 64 passages of the
-# per-head bundle and its 4-bit peers, and reports/README.md. About 2 hours on 2 cores with no bundle
-# fitted yet, 80 minutes with them.
+# per-head bundle and its 4-bit peers, and reports/README.md. About 2 hours on 2 cores with no
+# bundle fitted yet, 80 minutes with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -19,6 +19,10 @@ SMALL=${SMALL:-../shared/models/kt-ref-a}
 C=artifacts/calib-smollm2-joint-both
 # Per-head frames with the snapshot scan alone: the default bundle before item 11.
 CP=artifacts/calib-smollm2
+# The bundles kept for comparison (per-head, output-weighted values, joint with the snapshot
+# scan) run at 2.5 bits, the calibrated default rate when they were measured (2.6 since the
+# 18th session; the JSONs made before it name them without the rate).
+AT_2P5=bits_per_value=2.5
 COMMON=(--model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 --no-progress)
 # kakeya points: the self-calibrated default, then the calibrated recipe at several rates.
 KAKEYA=(kakeya "kakeya:calibration=$C,bits_per_value=1.25" "kakeya:calibration=$C,bits_per_value=1.5"
@@ -33,7 +37,7 @@ families() { for f in "${KAKEYA[@]}" "$@"; do printf -- '--family\n%s\n' "$f"; d
 # The recipe from the default bundle at its rate and at 2 and 3.25 bits, the per-head bundle,
 # and the self-calibrated default: the methods of the in-forward and copying runs.
 DEFAULTS=(--method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=2"
-  --method "kakeya:calibration=$C,bits_per_value=3.25" --method "kakeya:calibration=$CP")
+  --method "kakeya:calibration=$C,bits_per_value=3.25" --method "kakeya:calibration=$CP,$AT_2P5")
 
 # Bundles already there are reused (delete artifacts/ to fit them again: about 30 minutes for
 # the default, 8 for the per-head one).
@@ -57,10 +61,10 @@ kakeyaturbo eval sweep "${COMMON[@]}" "${FAM[@]}" --bits 2 3 4 \
 # window while generating): the compounding a long generation sees.
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward-hot --out reports/in_forward_hot.json \
   "${DEFAULTS[@]}" --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=4 --method fp8
-# The per-head bundle in snapshot at the default rate and at 2 bits (the sweep holds the
+# The per-head bundle in snapshot at 2.5 and 2 bits (the sweep holds the
 # default bundle's points).
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/per_head.json \
-  --method "kakeya:calibration=$CP" --method "kakeya:calibration=$CP,bits_per_value=2"
+  --method "kakeya:calibration=$CP,$AT_2P5" --method "kakeya:calibration=$CP,bits_per_value=2"
 # What each choice of the default is worth: a row per choice undone (the frames across heads
 # are fitted on whitened keys, so the whitening is undone with them).
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/attribution.json \
@@ -75,8 +79,8 @@ kakeyaturbo eval ppl "${COMMON[@]}" --out reports/block_size.json \
 # The per-head bundle and the two 4-bit peers on 64 passages (the bar asks for >= 16): the
 # verdicts and delta-ppl per unit KL with intervals half as wide.
 kakeyaturbo eval ppl --model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 64 --no-progress \
-  --out reports/passages64.json --method "kakeya:calibration=$CP" --method kivi:bits=4 \
-  --method turboquant:bits=4 --method "kakeya:calibration=$CP,streams=v"
+  --out reports/passages64.json --method "kakeya:calibration=$CP,$AT_2P5" --method kivi:bits=4 \
+  --method turboquant:bits=4 --method "kakeya:calibration=$CP,$AT_2P5,streams=v"
 # The values' frame weighted by the output projection (calibrate --value-metric output) against
 # the per-head bundle's plain PCA frame, snapshot and in-forward: measured, not adopted.
 CV=artifacts/calib-smollm2-vo
@@ -84,9 +88,9 @@ CV=artifacts/calib-smollm2-vo
   kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CV" --tokens 30000 \
     --value-metric output --sensitivity-mode snapshot
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/value_frame.json \
-  --method "kakeya:calibration=$CP" --method "kakeya:calibration=$CV"
+  --method "kakeya:calibration=$CP,$AT_2P5" --method "kakeya:calibration=$CV,$AT_2P5"
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/value_frame_in_forward.json \
-  --method "kakeya:calibration=$CP" --method "kakeya:calibration=$CV"
+  --method "kakeya:calibration=$CP,$AT_2P5" --method "kakeya:calibration=$CV,$AT_2P5"
 # One coding frame across each layer's KV heads with per-layer bits from the snapshot scan
 # alone (what the in-forward scan adds: compare with the default bundle): snapshot at four
 # rates, in-forward, in-forward with the newest 128 tokens exact, and the copying test.
@@ -95,14 +99,14 @@ CJ=artifacts/calib-smollm2-joint
   kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CJ" --tokens 30000 \
     --joint-heads --sensitivity-mode snapshot
 kakeyaturbo eval ppl "${COMMON[@]}" --out reports/joint_heads.json \
-  --method "kakeya:calibration=$CJ" --method "kakeya:calibration=$CJ,bits_per_value=2.25" \
+  --method "kakeya:calibration=$CJ,$AT_2P5" --method "kakeya:calibration=$CJ,bits_per_value=2.25" \
   --method "kakeya:calibration=$CJ,bits_per_value=2" --method "kakeya:calibration=$CJ,bits_per_value=1.75"
 for mode in in-forward in-forward-hot; do
   kakeyaturbo eval ppl "${COMMON[@]}" --mode $mode --out "reports/joint_heads_${mode//-/_}.json" \
-    --method "kakeya:calibration=$CJ" --method "kakeya:calibration=$CJ,bits_per_value=2"
+    --method "kakeya:calibration=$CJ,$AT_2P5" --method "kakeya:calibration=$CJ,bits_per_value=2"
 done
 kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/joint_heads_copy.json \
-  --method "kakeya:calibration=$CJ" --method "kakeya:calibration=$CJ,bits_per_value=2"
+  --method "kakeya:calibration=$CJ,$AT_2P5" --method "kakeya:calibration=$CJ,bits_per_value=2"
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

@@ -3,8 +3,10 @@ and rejection of bundles made for another model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -136,12 +138,38 @@ def test_bundle_for_another_model_is_rejected(bundle, model_and_tok, tmp_path):
     try:
         with torch.no_grad():
             w.mul_(1.01)  # same architecture, other weights
-        with pytest.raises(CalibrationError, match="k_proj0_sha256"):
+        with pytest.raises(CalibrationError, match="k_proj0_probe"):
+            Calibration.load(path, model)
+        for dtype in (torch.bfloat16, torch.float16):  # the same checkpoint in another dtype
+            with torch.no_grad():
+                w.copy_(saved.to(dtype).float())
             Calibration.load(path, model)
     finally:
         with torch.no_grad():
             w.copy_(saved)
     Calibration.load(path, model)
+
+
+def test_bundles_with_the_legacy_weight_hash_still_check_it(bundle, model_and_tok, tmp_path):
+    """Bundles written before the probe hold a hash of the float32 weights instead: they load
+    for those weights and name the hash for any others."""
+    calib, _ = bundle
+    model = model_and_tok[0]
+    w = model.model.layers[0].self_attn.k_proj.weight
+    fp = {k: v for k, v in calib.fingerprint.items() if k != "k_proj0_probe"}
+    bits = np.ascontiguousarray(w.detach().float().numpy()).tobytes()
+    fp["k_proj0_sha256"] = hashlib.sha256(bits).hexdigest()[:16]
+    path = replace(calib, fingerprint=fp).save(tmp_path / "legacy")
+    Calibration.load(path, model)
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w.copy_(saved.bfloat16().float())
+        with pytest.raises(CalibrationError, match="k_proj0_sha256.*recalibrate"):
+            Calibration.load(path, model)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
 
 
 def test_malformed_bundles_are_clear_errors(bundle, tmp_path):
@@ -204,6 +232,7 @@ def test_layer_offsets_follow_sensitivity_with_zero_mean_and_clip():
 
 @pytest.mark.slow
 def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
+    from kakeyaturbo.calibration.sensitivity import joint_offsets
     from kakeyaturbo.eval.sensitivity import scan
 
     model, tok = model_and_tok
@@ -216,11 +245,16 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
         assert len(snap["kl"][s]) == n and min(snap["kl"][s]) > 0
         # The top layer's error reaches no layer above it: both protocols agree there.
         assert fwd["kl"][s][-1] == pytest.approx(snap["kl"][s][-1], rel=1e-4)
-        assert both["kl"][s] == pytest.approx([a + b for a, b in zip(snap["kl"][s], fwd["kl"][s])])
+        geo = [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])]
+        assert both["kl"][s] == pytest.approx(geo)
         assert both["kl_by_mode"]["in-forward"][s] == pytest.approx(fwd["kl"][s])
     # Errors carried through the layers above cost more than one layer's error alone.
     assert sum(fwd["kl"]["k"] + fwd["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
     assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3
+    geo = {s: [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])] for s in "kv"}
+    want = joint_offsets(geo)
+    for s in "kv":
+        assert both["offsets"][s] == pytest.approx(want[s], abs=2e-4)
     with pytest.raises(ValueError, match="mode"):
         scan(model, tok, bundle[1], calib_text, mode="chunked", **kw)
 

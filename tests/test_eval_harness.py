@@ -137,7 +137,11 @@ def test_transformers_cache_runs_snapshot_only(setup):
     r = run(setup, "hf-fp8", "in-forward")
     assert "snapshot" in r["skipped"]
     r = run(setup, "hf-fp8")
-    assert r["verdict"] in ("ACCEPT", "MARGINAL") and r["allocated_bytes"] == r["stored_bytes"]
+    assert r["allocated_bytes"] == r["stored_bytes"]
+    # The shipped fp8 layer freezes its scale at the prefill, so a later value beyond it
+    # overflows: torch 2.11 casts that to NaN (seen on a GPU machine), torch 2.15 saturates.
+    saturates = torch.tensor([1e4]).to(torch.float8_e4m3fn).float().item() == 448.0
+    assert r["verdict"] in (("ACCEPT", "MARGINAL") if saturates else ("REJECT",))
 
 
 def test_identity_through_pre_rope_is_exact_to_rounding(setup):

@@ -41,8 +41,16 @@ class CalibrationError(KakeyaTurboError, ValueError):
     """A bundle is missing, malformed, of another version, or for another model."""
 
 
+#: The fingerprint's sample of the first layer's key projection, and its size.
+PROBE, PROBE_VALUES = "k_proj0_probe", 64
+#: Relative tolerance of the probe: above bfloat16's rounding (at most 2^-8), below any fine-tune.
+PROBE_RTOL = 2.0**-7
+#: Bundles before the probe hashed the weights' float32 bits (so matched one dtype only).
+LEGACY_HASH = "k_proj0_sha256"
+
+
 def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
-    """What a bundle must match: architecture and shapes, plus a hash of the first layer's
+    """What a bundle must match: architecture and shapes, plus a sample of the first layer's
     key projection so that two checkpoints of one architecture are told apart."""
     cfg = getattr(model_or_config, "config", model_or_config)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -57,11 +65,52 @@ def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
         "head_dim": int(head_dim),
         "hidden_size": int(cfg.hidden_size),
     }
-    model = model_or_config if hasattr(model_or_config, "model") else None
-    if model is not None:
-        w = model.model.layers[0].self_attn.k_proj.weight.detach().float().cpu().numpy()
-        fp["k_proj0_sha256"] = hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
+    w = _k_proj0(model_or_config)
+    if w is not None:
+        # Sampled weights, compared with a tolerance, not a hash of their bits: one checkpoint
+        # loaded in float32, bfloat16 or float16 is one model to its calibration.
+        fp[PROBE] = _probe(w)
     return fp
+
+
+def _k_proj0(model_or_config: Any) -> Optional[np.ndarray]:
+    """The first layer's key projection (None for a config, or a model that fuses it into
+    another projection: such a model is matched by its shapes alone)."""
+    try:
+        w = model_or_config.model.layers[0].self_attn.k_proj.weight
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return w.detach().float().cpu().numpy()
+
+
+def _probe(w: np.ndarray) -> list[float]:
+    at = np.linspace(0, w.size - 1, PROBE_VALUES).round().astype(np.int64)
+    return [float(x) for x in w.reshape(-1)[at]]
+
+
+def _weights_differ(bundle_fp: dict[str, Any], model: Any) -> Optional[str]:
+    """Why the model's weights are not the ones the bundle was fitted on (None: they are, to
+    the probe's tolerance, or the bundle records none)."""
+    w = _k_proj0(model)
+    if w is None:
+        return None
+    if PROBE in bundle_fp:
+        want = np.asarray(bundle_fp[PROBE], dtype=np.float64)
+        got = np.asarray(_probe(w))
+        # The floor keeps weights rounded to zero (float16's subnormals) from failing.
+        tol = PROBE_RTOL * (np.abs(want) + 1e-3 * np.abs(want).max())
+        if got.shape != want.shape or not np.all(np.abs(got - want) <= tol):
+            return f"{PROBE}: the first layer's key projection holds other weights"
+        return None
+    if LEGACY_HASH in bundle_fp:
+        have = hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
+        if have != bundle_fp[LEGACY_HASH]:
+            return (
+                f"{LEGACY_HASH}: bundle {bundle_fp[LEGACY_HASH]!r}, model {have!r} (a bundle "
+                "of this version hashes float32 weights: load the model in the dtype it was "
+                "calibrated in, or recalibrate)"
+            )
+    return None
 
 
 @dataclass
@@ -164,12 +213,15 @@ class Calibration:
     def check_model(self, model: Any) -> None:
         """Raises CalibrationError naming every field where the model differs."""
         have = model_fingerprint(model)
+        have.pop(PROBE, None)
         diffs = [
             f"{k}: bundle {self.fingerprint.get(k)!r}, model {v!r}"
             for k, v in have.items()
             if k in self.fingerprint and self.fingerprint[k] != v
         ]
-        missing = [k for k in have if k not in self.fingerprint and k != "k_proj0_sha256"]
+        weights = _weights_differ(self.fingerprint, model)
+        diffs += [] if weights is None else [weights]
+        missing = [k for k in have if k not in self.fingerprint]
         if diffs or missing:
             raise CalibrationError(
                 "calibration bundle was made for another model: " + "; ".join(diffs + missing)

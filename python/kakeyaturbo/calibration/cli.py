@@ -30,8 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["snapshot", "in-forward", "both"],
         default="both",
         help="protocol of the scan: snapshot (each layer alone on exact inputs), in-forward "
-        "(each layer's error carried through the layers above it) or both (their KLs summed, "
-        "the default: the bits then hold in both modes; twice the scan time of one)",
+        "(each layer's error carried through the layers above it) or both (the geometric "
+        "mean of their KLs, the default: the bits then hold in both modes; twice the scan "
+        "time of one)",
     )
     p.add_argument(
         "--value-metric",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from kakeyaturbo.calibration.sensitivity import joint_offsets
@@ -21,9 +22,10 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
          progress: bool = True, mode: str = "snapshot") -> dict:
     """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``; ``mode``
     "in-forward" measures each layer with its error carried through the layers above it, and
-    "both" sums the two protocols' KLs (offsets for a cache that serves finished prefills and
-    chunked prefills alike: on SmolLM2 it halved the in-forward KL of the default and raised
-    the snapshot KL by a third, see docs/recipe.md)."""
+    "both" takes the geometric mean of the two protocols' KLs, so each layer's offset is the
+    mean of the two protocols' offsets: bits for a cache that serves finished prefills and
+    chunked prefills alike. (A sum lets the larger in-forward KLs decide: on SmolLM2 it left
+    the copying test MARGINAL, where the geometric mean is ACCEPT; see docs/recipe.md.)"""
     if mode not in ("snapshot", "in-forward", "both"):
         raise ValueError(f"mode must be snapshot, in-forward or both, not {mode!r}")
     ids = tokenize_text(tokenizer, read_text(text_file))
@@ -41,7 +43,7 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
         method = build_method(spec)  # one bundle load per stream, whatever the modes
         for m in modes:
             per_mode[m][s].append(float(evaluate_method(model, ref, method, m)["kl"]))
-    kl = {s: [sum(v) for v in zip(*(per_mode[m][s] for m in modes))] for s in ("k", "v")}
+    kl = {s: [_geomean(v) for v in zip(*(per_mode[m][s] for m in modes))] for s in ("k", "v")}
     out = {
         "mode": mode,
         "probe_bits": probe_bits,
@@ -52,3 +54,8 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
     if mode == "both":  # each protocol's own KLs, so other blends need no second scan
         out["kl_by_mode"] = per_mode
     return out
+
+
+def _geomean(values: tuple[float, ...]) -> float:
+    # layer_offsets floors a KL at 1e-12 before its logarithm; the blend does the same.
+    return float(np.exp(np.mean(np.log(np.maximum(values, 1e-12)))))

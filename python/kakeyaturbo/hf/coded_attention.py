@@ -316,32 +316,36 @@ class CodedView:
 
     def _torch_logits(self, q: torch.Tensor, kb: list, dev) -> torch.Tensor:
         """:meth:`_codec_logits` on another device: the blocks decoded to frame coordinates
-        on the CPU, the rest in torch on ``dev``."""
+        on the CPU, then moved to ``dev`` (where the positions, so RoPE's rotation, already
+        are), the rest in torch there."""
         lay = self.layer
         pipe, d = lay._ctx.pipeline, q.shape[-1]
         # Token norms (when a stream has them) scale a token's logit: attention is linear in
         # each key, so no decoded vector is rescaled.
         keys, k_scale = pipe.decode_codes(kb, "k", q.shape[0])
+        keys = keys.to(dev)
         frame = pipe.frame_inverse(lay.layer_idx, "k")
+        frame = None if frame is None else frame.to(dev)
         if lay._rope is not None:
-            order = self._paired_order(d)
+            order = self._paired_order(d, dev)
             keys = keys[..., order] if frame is None else keys @ frame[..., order]
-            keys = lay._rope.turn_paired(keys, self._rotation("complex"))
-            coded = q[..., order.to(dev)] @ keys.to(dev).transpose(-1, -2)
+            keys = lay._rope.turn_paired(keys, self._rotation("complex").to(dev))
+            coded = q[..., order] @ keys.transpose(-1, -2)
         else:
-            qf = q if frame is None else q @ frame.to(dev).transpose(-1, -2)
-            coded = qf @ keys.to(dev).transpose(-1, -2)
+            qf = q if frame is None else q @ frame.transpose(-1, -2)
+            coded = qf @ keys.transpose(-1, -2)
         if k_scale is not None:
             coded.mul_(k_scale.to(dev)[:, :, None])
         return coded
 
-    def _paired_order(self, d: int) -> torch.Tensor:
-        """RoPE's paired channel order, built once per forward for the layers sharing a RoPE."""
+    def _paired_order(self, d: int, dev: torch.device) -> torch.Tensor:
+        """RoPE's paired channel order on ``dev``, built once per forward for the layers
+        sharing a RoPE."""
         rope = self.layer._rope
         return self._shared(
-            ("paired_order", d, rope.rot_dim, rope.adjacent_pairs),
+            ("paired_order", d, rope.rot_dim, rope.adjacent_pairs, str(dev)),
             (),
-            lambda: rope.paired_order(d),
+            lambda: rope.paired_order(d).to(dev),
         )
 
     def _rotation(self, form: str) -> torch.Tensor:
