@@ -16,7 +16,8 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
 With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
 coded across heads: ``joint`` attends over their codes (the logits and value-sum kernels over
 one virtual head of width heads x head_dim), ``joint-decode`` decodes every block each step
-(``coded_attention=False``).
+(``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
+with only that stream coded across heads (the recipe's ``joint_heads``).
 
 Each context is prefilled once per cache; then each repetition times ``--steps`` single-token
 forwards per path in turn (each forward's token cropped again, so every step sees the same
@@ -41,6 +42,7 @@ import kakeyaturbo.hf.coded_attention as coded_attention
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
+from kakeyaturbo.recipes import default_recipe
 
 # name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads)
 PATHS = {
@@ -85,6 +87,12 @@ def main() -> None:
     ap.add_argument(
         "--joint-calibration", default=None, help="a bundle fitted with --joint-heads (optional)"
     )
+    ap.add_argument(
+        "--joint-heads",
+        choices=["k", "v"],
+        default=None,
+        help="also time the joint bundle with only this stream coded across heads",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
@@ -111,9 +119,13 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
     dense = DynamicCache()
     model(ids[:, :ctx], **{CACHE_ARG: dense})
 
-    def prefilled(bundle, coded_attention=None):
+    def prefilled(bundle, coded_attention=None, **kw):
         cache = KakeyaCache.from_model(
-            model, calibration=bundle, hot_dtype=torch.bfloat16, coded_attention=coded_attention
+            model,
+            calibration=bundle,
+            hot_dtype=torch.bfloat16,
+            coded_attention=coded_attention,
+            **kw,
         )
         model(ids[:, :ctx], **{CACHE_ARG: cache})
         return cache
@@ -124,6 +136,9 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
     if joint is not None:
         runs["joint"] = (prefilled(joint), PATHS["whole"])
         runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
+        if args.joint_heads:
+            recipe = default_recipe(joint).replace(joint_heads=args.joint_heads)
+            runs[f"joint-{args.joint_heads}"] = (prefilled(joint, recipe=recipe), PATHS["whole"])
     times: dict[str, list[float]] = {name: [] for name in runs}
     attention: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(args.reps), desc=f"ctx {ctx}", leave=False):

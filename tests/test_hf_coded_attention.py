@@ -157,24 +157,33 @@ def joint_calibration(model, model_dir, calib_text):
     return calibrate(model, tok, calib_text, tokens=4096, progress=False, joint_heads=True)
 
 
-@pytest.mark.parametrize("key_norms", [False, True], ids=["default", "key-norms"])
+@pytest.mark.parametrize(
+    ("joint", "key_norms"),
+    [("kv", False), ("kv", True), ("k", False), ("v", False)],
+    ids=["default", "key-norms", "keys-only", "values-only"],
+)
 @pytest.mark.parametrize("path", ["kernels", "torch"])
 def test_coded_attention_across_heads_matches_decoding(
-    model, attend_calls, joint_calibration, monkeypatch, path, key_norms
+    model, attend_calls, joint_calibration, monkeypatch, path, joint, key_norms
 ):
     """Blocks coded across heads (one stream of H*D per row, per-head scales): the virtual
     wide head of the kernels (RoPE pairs regrouped, zero-padded queries, scales folded into
-    the weights) or the decoded keys and values off the CPU, against decoding every block."""
+    the weights) or the decoded keys and values off the CPU, against decoding every block;
+    one stream across heads beside the other per head, too."""
     import kakeyaturbo.hf.coded_attention as coded_attention
 
     monkeypatch.setattr(coded_attention, "CPU_KERNELS", path == "kernels")
     calls = kernel_calls(monkeypatch)
-    recipe = default_recipe(joint_calibration, block_size=64).replace(k_token_norms=key_norms)
-    assert recipe.joint_heads
+    recipe = default_recipe(joint_calibration, block_size=64)
+    assert recipe.joint_heads == "kv"
+    recipe = recipe.replace(k_token_norms=key_norms, joint_heads=joint)
     ids, mask = padded_batch(model.config.vocab_size)
     kw = {"recipe": recipe, "calibration": joint_calibration, "residual_length": 64}
     cache = compare(model, ids, mask, 600, attend_calls, 1e-4, **kw)
-    assert all(len(blk.k.encs) == 2 for blk in cache.layers[0]._blocks)  # one stream per row
+    heads = model.config.num_key_value_heads
+    for blk in cache.layers[0]._blocks:  # one stream per row across heads, else per head
+        assert len(blk.k.encs) == (2 if "k" in joint else 2 * heads)
+        assert len(blk.v.encs) == (2 if "v" in joint else 2 * heads)
     assert set(calls) == ({"key_logits", "value_sums"} if path == "kernels" else set())
 
 

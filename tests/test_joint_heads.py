@@ -106,6 +106,29 @@ def test_joint_round_trip_is_near_exact_at_high_bits(joint_bundle, real_kv):
             assert float((ratio - 1).abs().max()) < 0.012
 
 
+def test_one_stream_across_heads_leaves_the_other_per_head(joint_bundle, real_kv):
+    """``joint_heads="v"`` (or ``"k"``): that stream is coded exactly as the joint recipe
+    codes it, the other exactly as the per-head recipe does, bit for bit."""
+    calib, _ = joint_bundle
+    recipe = default_recipe(calib)
+    assert recipe.joint_heads == "kv" and recipe.replace(joint_heads=False).joint_heads == ""
+    per_head, joint = Pipeline(recipe.replace(joint_heads=""), calib), Pipeline(recipe, calib)
+    for mixed in ("k", "v"):
+        pipe = Pipeline(recipe.replace(joint_heads=mixed), calib)
+        for s, name in (("k", "k_pre_rope"), ("v", "v")):
+            x = torch.from_numpy(real_kv[f"layer1.{name}"])[None]
+            y, blocks = pipe.roundtrip(x, 1, s)
+            same_as = joint if s == mixed else per_head
+            y_ref, ref_blocks = same_as.roundtrip(x, 1, s)
+            assert torch.equal(y, y_ref)
+            assert [len(b.encs) for b in blocks] == [len(b.encs) for b in ref_blocks]
+            assert all(len(b.encs) == (1 if s == mixed else x.shape[1]) for b in blocks)
+    with pytest.raises(ValueError, match="joint_heads must be"):
+        recipe.replace(joint_heads="q")
+    # only coded keys are read in the query-aware frame the joint key frames are fitted in
+    Pipeline(recipe.replace(joint_heads="v", whiten=False), calib)
+
+
 def test_frames_across_heads_are_derived_once_per_bundle(joint_bundle):
     """What attention reads (the joint frame times the heads' inverse frames) is bundle data:
     every pipeline on one bundle, every cache and sequence, shares one tensor; none holds

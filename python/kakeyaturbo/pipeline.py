@@ -148,7 +148,7 @@ class Pipeline:
                     "joint_heads needs a calibration bundle with frames across heads "
                     "(kakeyaturbo calibrate --joint-heads)"
                 )
-            if not recipe.whiten:
+            if recipe.joint("k") and not recipe.whiten:
                 raise ValueError("joint_heads: the frames across heads are fitted on whitened keys")
         # (layer, stream) -> [H, D, D] self-fitted frame, fitted on the first tokens coded.
         self._frames: dict[tuple[int, str], torch.Tensor] = {}
@@ -213,7 +213,7 @@ class Pipeline:
             norms = full.half()
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-        if not self.recipe.joint_heads:
+        if not self.recipe.joint(stream):
             return self.code_frame(y, layer, stream, norms, newer)
         b, h, t, d = y.shape
         y = y.permute(0, 2, 1, 3).reshape(b, 1, t, h * d) @ self._joint(layer, stream)
@@ -268,7 +268,7 @@ class Pipeline:
     ) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU
         (keys rotated back to ``positions`` when given)."""
-        if self.recipe.joint_heads:
+        if self.recipe.joint(stream):
             y = self._decode_joint(blocks, layer, stream, rows)
         else:
             y = self.decode_frame(blocks, stream, rows)
@@ -426,7 +426,7 @@ class Pipeline:
         norms = None
         # Their codes, decoded in the kernels (across heads they are per-head scales, which
         # attention over the codes applies itself).
-        if self.recipe.token_norms(stream) and not self.recipe.joint_heads:
+        if self.recipe.token_norms(stream) and not self.recipe.joint(stream):
             arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
             norms = [c for c, _ in arrays], [b for _, b in arrays]
         tokens = sum(blk.tokens for blk in blocks)
@@ -435,7 +435,7 @@ class Pipeline:
     def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
         :meth:`decode_frame` (None: the identity frame)."""
-        if self.recipe.joint_heads:
+        if self.recipe.joint(stream):
             raise ValueError("blocks coded across heads (joint_heads): see joint_frame")
         if self._transforms is not None:
             return self._transforms.matrix(layer, stream, "inv")

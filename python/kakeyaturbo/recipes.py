@@ -76,8 +76,9 @@ class Recipe:
     key PCA, an ablation). ``recent_tokens`` / ``recent_bits``: the newest tokens of a sequence
     at coding time get that many more bits (a stored prefill's last tokens are the ones its
     continuation reads most; ``KakeyaCache`` holds them exact in its hot window anyway).
-    ``joint_heads``: code each layer's KV heads as one stream in the calibration bundle's
-    frame across them (needs a bundle with those frames, ``calibrate``'s default)."""
+    ``joint_heads``: the streams (``"kv"``, ``"k"``, ``"v"`` or ``""``; True is ``"kv"``) whose
+    layer's KV heads are coded as one stream in the calibration bundle's frame across them
+    (needs a bundle with those frames, ``calibrate``'s default)."""
 
     k: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[0]))
     v: CodecParams = field(default_factory=lambda: waterfill_params(SELF_CALIBRATED_BITS[1]))
@@ -90,9 +91,15 @@ class Recipe:
     v_layer_bits: tuple[float, ...] = ()
     recent_tokens: int = RECENT_TOKENS
     recent_bits: float = RECENT_BITS
-    joint_heads: bool = False
+    joint_heads: str = ""
 
     def __post_init__(self) -> None:
+        joint = {True: "kv", False: ""}.get(self.joint_heads, self.joint_heads)  # type: ignore
+        if joint not in ("", "k", "v", "kv"):
+            raise ValueError(
+                f"joint_heads must be 'kv', 'k', 'v', '' or a bool, got {self.joint_heads!r}"
+            )
+        object.__setattr__(self, "joint_heads", joint)
         for name in ("k", "v"):
             p = getattr(self, name)
             if not isinstance(p, CodecParams):
@@ -115,6 +122,10 @@ class Recipe:
 
     def token_norms(self, stream: str) -> bool:
         return self.k_token_norms if stream == "k" else self.v_token_norms
+
+    def joint(self, stream: str) -> bool:
+        """Whether ``stream`` is coded across a layer's KV heads (see ``joint_heads``)."""
+        return stream in self.joint_heads
 
     def params(self, layer: int, stream: str) -> CodecParams:
         """The codec parameters of ``layer``'s ``stream`` (per-layer bits applied)."""

@@ -1,4 +1,5 @@
-"""Command line: `kakeyaturbo eval {ppl,sweep,layers,bytes,all,methods}` and `kakeyaturbo report`.
+"""Command line: `kakeyaturbo eval {ppl,sweep,layers,bytes,all,held-out,methods}` and
+`kakeyaturbo report`.
 
 `register(subparsers)` adds both commands to the top-level `kakeyaturbo` parser;
 `python -m kakeyaturbo.eval.cli ...` runs the same commands without it.
@@ -295,6 +296,22 @@ def cmd_all(args) -> int:
     return rc
 
 
+def cmd_held_out(args) -> int:
+    """A result's scores on the passages none of the chosen runs evaluated, and on the rest."""
+    import json
+
+    from kakeyaturbo.eval.held_out import format_held_out, held_out
+
+    result = json.loads(Path(args.result).read_text())
+    chosen = [json.loads(Path(c).read_text()) for c in args.chosen]
+    rows = held_out(result, chosen)
+    text = "$ " + _command(args) + "\n" + format_held_out(result, rows) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text, end="")
+    return 0
+
+
 def cmd_methods(args) -> int:
     from kakeyaturbo.eval.methods import COMMON_KEY_VALUES
     from kakeyaturbo.eval.registry import METHOD_HELP
@@ -315,7 +332,9 @@ def register(subparsers) -> None:
         help="quality and bytes of KV codecs against peers",
         description="Evaluate KV codecs: perplexity/KL/top-1 and stored bytes.",
     )
-    sub = ev.add_subparsers(dest="eval_command", metavar="{ppl,sweep,layers,bytes,all,methods}")
+    sub = ev.add_subparsers(
+        dest="eval_command", metavar="{ppl,sweep,layers,bytes,all,held-out,methods}"
+    )
     sub.required = True
 
     p = sub.add_parser(
@@ -401,6 +420,21 @@ def register(subparsers) -> None:
     p.add_argument("--out-dir", default="reports")
     p.add_argument("--skip", nargs="*", choices=["sweep", "layers", "bytes"], default=[])
     p.set_defaults(func=cmd_all)
+
+    p = sub.add_parser(
+        "held-out",
+        help="an eval ppl result re-scored on the passages that the runs a choice was made on "
+        "did not evaluate",
+    )
+    p.add_argument("result", help="eval ppl JSON (e.g. 64 passages)")
+    p.add_argument(
+        "--chosen",
+        nargs="+",
+        required=True,
+        help="eval ppl JSONs the choice looked at: their passages' text windows are excluded",
+    )
+    p.add_argument("--out", default=None, help="also write the table to this text file")
+    p.set_defaults(func=cmd_held_out)
 
     p = sub.add_parser("methods", help="list the registered methods and their parameters")
     p.set_defaults(func=cmd_methods)

@@ -7,7 +7,9 @@ overrides one stream (`v_bits_per_value=4`), `k_token_norms` / `v_token_norms` o
 recipe's per-token norms, and the shared harness keys (`sink_tokens`, `residual_length`,
 `skip_layers`, ...) override the recipe's method options. `calibration=DIR` codes in the bundle's
 frames with the calibrated default (its per-layer bits too, unless `layer_bits=false`), and
-`whiten=false` swaps the key frame for plain key PCA (an ablation).
+`whiten=false` swaps the key frame for plain key PCA (an ablation); `joint_heads=v` (or `k`,
+`false`) codes only that stream across a layer's KV heads with a bundle that has frames across
+them.
 
 Each passage is an independent sequence: it gets its own self-fitted frames (counted as
 `frames` bytes), exactly as a fresh ``KakeyaCache`` would fit them on that prefix. Bytes are

@@ -145,14 +145,14 @@ class CodedView:
         key_runs, value_runs = [*self.runs[0], key], [*self.runs[1], value]
 
         kernels = CPU_KERNELS and dev.type == "cpu"
-        joint = pipe.recipe.joint_heads
-        if kernels and g * tq <= WHOLE_ATTENTION_ROWS and not joint:
+        joint_k, joint_v = pipe.recipe.joint("k"), pipe.recipe.joint("v")
+        if kernels and g * tq <= WHOLE_ATTENTION_ROWS and not (joint_k or joint_v):
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
         # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
         key, value = torch.cat(key_runs, dim=-2).float(), torch.cat(value_runs, dim=-2).float()
-        if joint:
+        if joint_k:
             coded = self._joint_logits(q, kernels)
         elif kernels:
             coded = self._codec_logits(q, self.held.keys)
@@ -168,7 +168,7 @@ class CodedView:
         # A query row with every key masked (a padded row) gets zeros, not NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).view(b, h, g * tq, -1)
 
-        if joint:
+        if joint_v:
             out = self._joint_value_sums(probs[..., :clen], kernels)
         elif kernels:
             out = pipe.value_sums(self.held.values, b, probs[..., :clen])
@@ -178,7 +178,7 @@ class CodedView:
             if v_scale is not None:
                 weights = weights * v_scale.to(dev)[:, :, None]
             out = weights @ values.to(dev)
-        frame = None if joint else pipe.frame_inverse(li, "v")
+        frame = None if joint_v else pipe.frame_inverse(li, "v")
         if frame is not None:
             out = out @ frame.to(dev)
         out += probs[..., clen:] @ value
