@@ -251,6 +251,7 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
     # Errors carried through the layers above cost more than one layer's error alone.
     assert sum(fwd["kl"]["k"] + fwd["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
     assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3
+    assert both["blend"] == "geometric mean" and "blend" not in snap
     geo = {s: [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])] for s in "kv"}
     want = joint_offsets(geo)
     for s in "kv":

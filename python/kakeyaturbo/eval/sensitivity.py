@@ -52,6 +52,8 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
         "offsets": joint_offsets(kl),
     }
     if mode == "both":  # each protocol's own KLs, so other blends need no second scan
+        # Named: bundles scanned before the 18th session summed the two KLs under the same mode.
+        out["blend"] = "geometric mean"
         out["kl_by_mode"] = per_mode
     return out
 
