@@ -241,18 +241,17 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
     fwd = scan(model, tok, bundle[1], calib_text, mode="in-forward", **kw)
     both = scan(model, tok, bundle[1], calib_text, mode="both", **kw)
     n = model.config.num_hidden_layers
+    geo = {s: [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])] for s in "kv"}
     for s in "kv":
         assert len(snap["kl"][s]) == n and min(snap["kl"][s]) > 0
         # The top layer's error reaches no layer above it: both protocols agree there.
         assert fwd["kl"][s][-1] == pytest.approx(snap["kl"][s][-1], rel=1e-4)
-        geo = [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])]
-        assert both["kl"][s] == pytest.approx(geo)
+        assert both["kl"][s] == pytest.approx(geo[s])
         assert both["kl_by_mode"]["in-forward"][s] == pytest.approx(fwd["kl"][s])
     # Errors carried through the layers above cost more than one layer's error alone.
     assert sum(fwd["kl"]["k"] + fwd["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
     assert abs(sum(both["offsets"]["k"] + both["offsets"]["v"])) < 1e-3
     assert both["blend"] == "geometric mean" and "blend" not in snap
-    geo = {s: [(a * b) ** 0.5 for a, b in zip(snap["kl"][s], fwd["kl"][s])] for s in "kv"}
     want = joint_offsets(geo)
     for s in "kv":
         assert both["offsets"][s] == pytest.approx(want[s], abs=2e-4)

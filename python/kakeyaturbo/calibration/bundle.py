@@ -212,8 +212,8 @@ class Calibration:
 
     def check_model(self, model: Any) -> None:
         """Raises CalibrationError naming every field where the model differs."""
-        have = model_fingerprint(model)
-        have.pop(PROBE, None)
+        # Shapes from the config; the weights are compared apart, with the probe's tolerance.
+        have = model_fingerprint(getattr(model, "config", model))
         diffs = [
             f"{k}: bundle {self.fingerprint.get(k)!r}, model {v!r}"
             for k, v in have.items()
