@@ -1,8 +1,10 @@
 """CUDA inputs: the codec API and KakeyaCache with the model on a GPU. The codec runs on the
 CPU, so a CUDA tensor takes one host copy in and one device copy out; these tests check that
 what comes back is on the caller's device, in the caller's dtype, and the same numbers the
-CPU path gives. Skipped where no CUDA device is present (CI); run on an H100 in
-reports/gpu_h100.txt, where their first run found every GPU decode step raising."""
+CPU path gives. Attention over the codes decodes blocks held on the GPU with torch
+(``device_decode.py``), which must give the codec's values. Skipped where no CUDA device is
+present (CI); run on an H100 in reports/gpu_h100.txt, where their first run found every GPU
+decode step raising."""
 
 from __future__ import annotations
 
@@ -108,3 +110,27 @@ def test_kakeya_cache_follows_the_model_onto_the_gpu(
     ).item()
     print(f"GPU vs CPU: top-1 agreement {agree:.3f}, KL {kl:.2e}")
     assert agree >= 0.95 and kl < 1e-2
+
+
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_device_decoder_on_the_gpu_gives_the_codecs_values(stream):
+    """The blocks held on the GPU and decoded there (what attention over the codes does off
+    the CPU kernels) equal the codec's CPU decode bit for bit: float32 products and sums,
+    one op at a time, round the same on both."""
+    from kakeyaturbo.device_decode import DeviceBlocks
+    from kakeyaturbo.pipeline import Pipeline, decode_blocks
+    from kakeyaturbo.recipes import default_recipe
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 700, 64, generator=g) * torch.linspace(0.05, 4.0, 64)
+    x[0, 1, 5, 3] = 300.0  # an outlier
+    pipe = Pipeline(default_recipe())
+    blocks = pipe.encode(x, 0, stream)
+    held = DeviceBlocks.of(blocks, torch.device("cuda"))
+    got = held.decode(2)
+    assert got.is_cuda and torch.equal(got.cpu(), decode_blocks(blocks, 2))
+    y, scale = pipe.decode_codes(held, stream, 2)
+    y_cpu, scale_cpu = pipe.decode_codes(blocks, stream, 2)
+    assert torch.equal(y.cpu(), y_cpu)
+    if scale_cpu is not None:  # exp2 and the norm's reduction may round differently there
+        torch.testing.assert_close(scale.cpu(), scale_cpu, rtol=1e-6, atol=0)

@@ -66,6 +66,7 @@ def held_bytes(obj, skip=None) -> tuple[int, int, int, int]:
                 "kakeyaturbo.hf",
                 "kakeyaturbo.pipeline",
                 "kakeyaturbo.norm_codes",
+                "kakeyaturbo.device_decode",
                 "transformers.cache_utils",
             )
         ):
@@ -140,6 +141,26 @@ def test_report_is_exact_and_beats_dynamic_cache(model, ids, dynamic, pre_rope):
     assert n_encs == 6 * 2 * 2 * (
         layer.compressed_length // layer.block_size
     )  # layers * K/V * heads * blocks
+
+
+@torch.inference_mode()
+def test_blocks_copied_for_the_torch_path_are_counted(model, ids, monkeypatch):
+    # Off the CPU kernels (a model on a GPU; here forced on the CPU) attention holds each
+    # layer's blocks a second time, as stored, where it decodes them: those bytes are held too.
+    from kakeyaturbo.hf import coded_attention
+
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", False)
+    cache = fill(model, ids, KakeyaCache.from_model(model, pre_rope=True))
+    rep, pipe = cache.memory_report(), cache._ctx.pipeline
+    copies = sum(
+        held.nbytes
+        for layer in cache.layers
+        if layer._held is not None
+        for held in layer._held.on_device.values()
+    )
+    tensors, enc_bytes, _, norms = held_bytes(cache, skip=pipe)
+    assert copies > 0.5 * enc_bytes and rep["device_copy_bytes"] == copies
+    assert rep["total_bytes"] == tensors + pipe.frame_bytes() + enc_bytes + norms
 
 
 @torch.inference_mode()

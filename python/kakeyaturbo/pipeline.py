@@ -46,6 +46,7 @@ import torch
 from . import codec as _codec
 from ._arrays import bf16_bits
 from ._runs import equal_runs
+from .device_decode import DeviceBlocks
 from .norm_codes import NormCodes, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
@@ -260,14 +261,15 @@ class Pipeline:
 
     def decode(
         self,
-        blocks: list[CodedBlock],
+        blocks: list[CodedBlock] | DeviceBlocks,
         layer: int,
         stream: str,
         rows: int,
         positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU
-        (keys rotated back to ``positions`` when given)."""
+        """Inverse of :meth:`encode`: ``[rows, H, sum(tokens), D]`` float32 on the CPU, or on
+        the device of :class:`~kakeyaturbo.device_decode.DeviceBlocks` (keys rotated back to
+        ``positions`` when given)."""
         if self.recipe.joint(stream):
             y = self._decode_joint(blocks, layer, stream, rows)
         else:
@@ -275,23 +277,30 @@ class Pipeline:
         return self._from_frame(y, layer, stream, positions)
 
     def _decode_joint(
-        self, blocks: list[CodedBlock], layer: int, stream: str, rows: int, scaled: bool = True
+        self,
+        blocks: list[CodedBlock] | DeviceBlocks,
+        layer: int,
+        stream: str,
+        rows: int,
+        scaled: bool = True,
     ) -> torch.Tensor:
         """Blocks coded across heads -> each head's coding-frame coordinates ``[rows, H, T, D]``
         (``scaled``: times its stored scale, for streams with token norms)."""
-        y = decode_blocks(blocks, rows)[:, 0] @ self._joint(layer, stream).T  # [rows, T, H*D]
+        y = _coded(blocks, rows)[:, 0]
+        joint = self._transforms.on(  # type: ignore[union-attr]
+            self._joint(layer, stream), (layer, stream, "joint"), y.device
+        )
+        y = y @ joint.T  # [rows, T, H*D]
         heads = self._transforms.matrix(layer, stream, "inv").shape[0]  # type: ignore[union-attr]
         y = y.reshape(rows, y.shape[1], heads, -1).permute(0, 2, 1, 3)
         if scaled and self.recipe.token_norms(stream):
             y = y * self.joint_scales(blocks)[..., None]
         return y
 
-    def joint_scales(self, blocks: list[CodedBlock] | BlockRun) -> torch.Tensor:
+    def joint_scales(self, blocks: list[CodedBlock] | BlockRun | DeviceBlocks) -> torch.Tensor:
         """Each head's stored scale ``[rows, H, T]`` of blocks coded across heads with token
         norms: head ``h`` of a token is its decoded coordinates' slice times this."""
-        if isinstance(blocks, BlockRun):
-            blocks = blocks.blocks
-        return decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
+        return _coded_norms(blocks)
 
     def joint_frame(self, layer: int, stream: str) -> torch.Tensor:
         """``[H*D, H*D]`` float32 ``M``: the coordinates ``y`` of blocks coded across heads go
@@ -314,16 +323,17 @@ class Pipeline:
         return y
 
     def decode_codes(
-        self, blocks: list[CodedBlock], stream: str, rows: int
+        self, blocks: list[CodedBlock] | DeviceBlocks, stream: str, rows: int
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The codec's output ``y`` ``[rows, H, T, D]`` and, for streams coded with token
         norms, each token's scale ``[rows, H, T]`` (its stored norm over ``|y|``), which
         :meth:`decode_frame` applies. Attention over the codes folds the scale into the
-        attention weights instead of scaling every value."""
-        y = decode_blocks(blocks, rows)
+        attention weights instead of scaling every value. On the CPU, or on the device of
+        :class:`~kakeyaturbo.device_decode.DeviceBlocks`."""
+        y = _coded(blocks, rows)
         if not self.recipe.token_norms(stream):
             return y, None
-        norms = decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
+        norms = _coded_norms(blocks)
         if norms.shape[1] != y.shape[1]:
             raise ValueError("blocks coded across heads (joint_heads): decode them with decode()")
         # Each token gets its stored norm back: the quantiser's reconstruction shrinks
@@ -484,9 +494,9 @@ class Pipeline:
             # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
             # encoder projected with the same matrix, so the round trip stays consistent.
             m = self.frame_inverse(layer, stream)
-            x = y if m is None else y @ m
+            x = y if m is None else y @ m.to(y.device)
         if positions is not None and stream == "k" and self.recipe.pre_rope:
-            x = self._rope_for(layer).rotate(x, positions.cpu())
+            x = self._rope_for(layer).rotate(x, positions)
         return x
 
     def _joint(self, layer: int, stream: str) -> torch.Tensor:
@@ -586,6 +596,22 @@ def decode_blocks(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
     # Equal-length blocks decode in one parallel call.
     parts = [_decode_run(run, rows) for run in equal_runs(blocks, lambda blk: blk.tokens)]
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+
+def _coded(blocks: Sequence[CodedBlock] | DeviceBlocks, rows: int) -> torch.Tensor:
+    """:func:`decode_blocks`, or the same decoded on the device that holds ``blocks``."""
+    if isinstance(blocks, DeviceBlocks):
+        return blocks.decode(rows)
+    return decode_blocks(blocks, rows)
+
+
+def _coded_norms(blocks: Sequence[CodedBlock] | BlockRun | DeviceBlocks) -> torch.Tensor:
+    """The token norms ``[rows, heads, T]`` of blocks coded with them, where they are held."""
+    if isinstance(blocks, DeviceBlocks):
+        return decode_norms(blocks.norms)  # type: ignore[arg-type]
+    if isinstance(blocks, BlockRun):
+        blocks = blocks.blocks
+    return decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]
 
 
 def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:

@@ -41,6 +41,17 @@ class KVTransforms:
             for s in "kv"
             if f"{s}_joint" in t
         }
+        self._on: dict[tuple, torch.Tensor] = {}  # matrices copied to another device, once
+
+    def on(self, m: torch.Tensor, key: tuple, device: torch.device) -> torch.Tensor:
+        """``m`` (one of this bundle's matrices, named by ``key``) on ``device``: a model on
+        an accelerator gets each matrix copied there once, not on every decode step."""
+        if m.device == device:
+            return m
+        k = (*key, str(device))
+        if k not in self._on:
+            self._on[k] = m.to(device)
+        return self._on[k]
 
     def matrix(self, layer: int, stream: str, way: str) -> torch.Tensor:
         """``[H, D, D]`` float32 ``m`` of ``layer``'s ``stream``: ``y = x @ m`` (``way="fwd"``)
@@ -61,7 +72,7 @@ class KVTransforms:
     def _apply(self, x: torch.Tensor, layer: int, stream: str, way: str) -> torch.Tensor:
         if x.dim() != 4:
             raise ValueError(f"expected [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
-        m = self.matrix(layer, stream, way).to(x.device)
+        m = self.on(self.matrix(layer, stream, way), (layer, stream, way), x.device)
         if m.shape[0] != x.shape[1]:
             raise ValueError(f"{x.shape[1]} KV heads, calibration has {m.shape[0]}")
         return torch.einsum("bhtd,hde->bhte", x.float(), m)

@@ -47,6 +47,7 @@ _REPORT_SUMS = (
     "full_precision_bytes",
     "aux_bytes",
     "decoded_cache_bytes",
+    "device_copy_bytes",
     "total_bytes",
     "bf16_equivalent_bytes",
     "dense_bytes",
@@ -269,7 +270,9 @@ class KakeyaCache(Cache):
                 skipped / sliding layers).
             aux_bytes: bookkeeping tensors (sink slots, RoPE positions in pre-RoPE mode).
             decoded_cache_bytes: decoded blocks kept under the ``decoded_cache_bytes`` budget.
-            total_bytes: the sum of the four above.
+            device_copy_bytes: compressed blocks also held, as stored, on the device attention
+                decodes them on off the CPU kernels (a model on an accelerator).
+            total_bytes: the sum of the five above.
             dense_bytes: what a ``DynamicCache`` holds for the same tokens (model dtype).
             bf16_equivalent_bytes: the same tokens as bfloat16.
             ratio: dense_bytes / total_bytes (how many times fewer bytes than DynamicCache).

@@ -29,19 +29,23 @@ Rust ``coded_attention`` kernels; for a decode step's few query rows the whole a
 softmax and exact part included, in one call, ``Pipeline.attend``): each block is decoded
 into a scratch buffer that stays in cache and finished there (frame, RoPE, logits; norms,
 weighted sum), blocks in parallel, so no decoded copy of the layer is ever written. On other
-devices the blocks are decoded to frame coordinates and the same arithmetic runs in torch
+devices the blocks are held there as stored (their packed codes and side values, copied once
+when the blocks change: :class:`~kakeyaturbo.device_decode.DeviceBlocks`), decoded to frame
+coordinates there by torch ops each call, and the same arithmetic runs in torch
 (``CPU_KERNELS = False`` runs that path on the CPU too). Nothing decoded outlives the call, so
-the cache holds what its ``memory_report`` says. The codes are the ones the dense path
+the cache holds what its ``memory_report`` says (the copies on a device under
+``device_copy_bytes``). The codes are the ones the dense path
 decodes: outputs agree with it to float32 rounding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..device_decode import DeviceBlocks
 from ..pipeline import BlockRun
 
 #: Where attention over the codes computes on the CPU: with the codec's kernels (each block
@@ -69,6 +73,8 @@ class LayerBlocks:
     values: BlockRun
     # The blocks' stored positions as CodedView._rotation compares them (empty without RoPE).
     positions: tuple
+    # The blocks held on a device for decoding there (off the CPU kernels), by (stream, device).
+    on_device: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, layer: Any, sinks: torch.Tensor | None) -> LayerBlocks:
@@ -83,6 +89,15 @@ class LayerBlocks:
             pipe.run_of([blk.v for blk in blocks], "v"),
             positions,
         )
+
+    def stored(self, stream: str, device: torch.device) -> DeviceBlocks:
+        """The blocks' ``stream`` held on ``device``, where attention decodes them with torch
+        (off the CPU kernels): copied there once, on first use after the blocks change."""
+        key = (stream, str(device))
+        if key not in self.on_device:
+            blocks = [getattr(blk, stream) for blk in self.blocks]
+            self.on_device[key] = DeviceBlocks.of(blocks, device)
+        return self.on_device[key]
 
 
 @dataclass(eq=False)
@@ -157,7 +172,7 @@ class CodedView:
         elif kernels:
             coded = self._codec_logits(q, self.held.keys)
         else:
-            coded = self._torch_logits(q, [blk.k for blk in self.blocks], dev)
+            coded = self._torch_logits(q, self.held.stored("k", dev), dev)
         scores = torch.cat((coded, q @ key.transpose(-1, -2)), dim=-1)
         scores.mul_(scaling)
         if softcap is not None:
@@ -173,11 +188,11 @@ class CodedView:
         elif kernels:
             out = pipe.value_sums(self.held.values, b, probs[..., :clen])
         else:
-            values, v_scale = pipe.decode_codes([blk.v for blk in self.blocks], "v", b)
+            values, v_scale = pipe.decode_codes(self.held.stored("v", dev), "v", b)
             weights = probs[..., :clen]
             if v_scale is not None:
-                weights = weights * v_scale.to(dev)[:, :, None]
-            out = weights @ values.to(dev)
+                weights = weights * v_scale[:, :, None]
+            out = weights @ values
         frame = None if joint_v else pipe.frame_inverse(li, "v")
         if frame is not None:
             out = out @ frame.to(dev)
@@ -245,8 +260,8 @@ class CodedView:
             pos = None
             if lay._rope is not None:
                 pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
-            keys = pipe.decode([blk.k for blk in self.blocks], li, "k", b, pos)
-            return q @ keys.to(q.device).transpose(-1, -2)
+            keys = pipe.decode(self.held.stored("k", q.device), li, "k", b, pos)
+            return q @ keys.transpose(-1, -2)
         wide = q.new_zeros(b, 1, h * rows, h * d)
         for i in range(h):  # query head i*g + j reads KV head i: its own channels only
             wide[:, 0, i * rows : (i + 1) * rows, i * d : (i + 1) * d] = q[:, i]
@@ -290,8 +305,8 @@ class CodedView:
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         b, h, rows, t = weights.shape
         if not kernels:
-            values = pipe.decode([blk.v for blk in self.blocks], li, "v", b)
-            return weights @ values.to(weights.device)
+            values = pipe.decode(self.held.stored("v", weights.device), li, "v", b)
+            return weights @ values
         if pipe.recipe.token_norms("v"):
             weights = weights * pipe.joint_scales(self.held.values)[:, :, None]
         sums = pipe.value_sums(self.held.values, b, weights.reshape(b, 1, h * rows, t))
@@ -314,16 +329,15 @@ class CodedView:
         frame = torch.eye(d).expand(heads, d, d) if frame is None else frame
         return frame[..., order], tuple(t[..., order] for t in tensors)
 
-    def _torch_logits(self, q: torch.Tensor, kb: list, dev) -> torch.Tensor:
-        """:meth:`_codec_logits` on another device: the blocks decoded to frame coordinates
-        on the CPU, then moved to ``dev`` (where the positions, so RoPE's rotation, already
-        are), the rest in torch there."""
+    def _torch_logits(self, q: torch.Tensor, kb: DeviceBlocks, dev) -> torch.Tensor:
+        """:meth:`_codec_logits` on another device: the blocks held there decoded to frame
+        coordinates there (where the positions, so RoPE's rotation, already are), the rest
+        in torch."""
         lay = self.layer
         pipe, d = lay._ctx.pipeline, q.shape[-1]
         # Token norms (when a stream has them) scale a token's logit: attention is linear in
         # each key, so no decoded vector is rescaled.
         keys, k_scale = pipe.decode_codes(kb, "k", q.shape[0])
-        keys = keys.to(dev)
         frame = pipe.frame_inverse(lay.layer_idx, "k")
         frame = None if frame is None else frame.to(dev)
         if lay._rope is not None:
@@ -335,7 +349,7 @@ class CodedView:
             qf = q if frame is None else q @ frame.transpose(-1, -2)
             coded = qf @ keys.transpose(-1, -2)
         if k_scale is not None:
-            coded.mul_(k_scale.to(dev)[:, :, None])
+            coded.mul_(k_scale[:, :, None])
         return coded
 
     def _paired_order(self, d: int, dev: torch.device) -> torch.Tensor:

@@ -385,8 +385,10 @@ class KakeyaLayer(CacheLayerMixin):
         )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
         aux += sum(_storage_bytes(b.pos) for b in self._blocks)
+        device_copy = 0
         if self._held is not None:  # which sinks sit in blocks, kept for attention
             aux += _storage_bytes(self._held.sinks)
+            device_copy = sum(held.nbytes for held in self._held.on_device.values())
         # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
         if self._rope is not None and self.is_initialized:
             aux += _storage_bytes(self._rope.inv_freq)
@@ -409,6 +411,7 @@ class KakeyaLayer(CacheLayerMixin):
             decoded,
             bf16,
             dense,
+            device_copy,
         )
 
     # ---- internals -----------------------------------------------------------------------
@@ -706,8 +709,10 @@ def _row_index(index: Any, name: str) -> torch.Tensor:
     return t.to(torch.long).reshape(-1)
 
 
-def _report(kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf16, dense) -> dict:
-    total = compressed + full + aux + decoded
+def _report(
+    kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf16, dense, device_copy=0
+) -> dict:
+    total = compressed + full + aux + decoded + device_copy
     return {
         "kind": kind,
         "tokens": tokens,
@@ -716,6 +721,7 @@ def _report(kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf1
         "full_precision_bytes": full,
         "aux_bytes": aux,
         "decoded_cache_bytes": decoded,
+        "device_copy_bytes": device_copy,
         "total_bytes": total,
         "bf16_equivalent_bytes": bf16,
         "dense_bytes": dense,

@@ -382,3 +382,56 @@ pub fn wht_rotate(x: Vec<f32>, seed: u64, inverse: bool) -> PyResult<Vec<f32>> {
     }
     Ok(y)
 }
+
+/// The sections of a water-filled layer coded without a basis (`pca_method = 'none'`, what
+/// the pipeline's recipes write), one dict per block, for a decoder outside the codec (torch
+/// on an accelerator, `kakeyaturbo/device_decode.py`): `n`; `mean`, `sigma` float32 `[d]`
+/// (exactly their stored float16/bfloat16 values); `bits` uint8 `[d]`; `gains` float32 `[9]`,
+/// the reconstruction gain per width; `codes` uint8, the packed code stream as stored;
+/// `outlier_pos` int64 (`vector * d + component`, ascending) and `outlier_val` float32.
+/// A vector's value `j` is `mean_j + (level_{bits_j}(code) * sigma_j) * gains[bits_j]`
+/// (`mean_j` where `bits_j = 0`), and an outlier's `mean_j + val * sigma_j`: the codec's own
+/// arithmetic, in its order. The layer is read (checksum and every field) as `decode_layer` reads it.
+#[pyfunction]
+pub fn waterfill_sections<'py>(
+    py: Python<'py>,
+    enc: &PyEncodedLayer,
+) -> PyResult<Bound<'py, PyList>> {
+    use kakeyaturbo::format::{read_layer, ParsedBody};
+    use kakeyaturbo::waterfill::ip_gain;
+    let parsed = read_layer(enc.inner.as_bytes()).map_err(to_py)?;
+    let p = &parsed.params;
+    if p.pca_method != core::PcaMethod::None || parsed.shared.is_some() {
+        return Err(PyValueError::new_err(
+            "enc: waterfill_sections reads layers coded without a basis (pca_method='none')",
+        ));
+    }
+    let gains: Vec<f32> = (0..=core::waterfill::MAX_COMPONENT_BITS)
+        .map(|b| match p.metric {
+            core::Metric::InnerProduct => ip_gain(b),
+            _ => 1.0,
+        })
+        .collect();
+    let list = PyList::empty(py);
+    for b in &parsed.blocks {
+        let ParsedBody::Waterfill(w) = &b.body else {
+            return Err(PyValueError::new_err(
+                "enc: waterfill_sections reads water-filled layers (allocation='waterfill')",
+            ));
+        };
+        let d = PyDict::new(py);
+        d.set_item("n", b.n)?;
+        d.set_item("mean", PyArray1::from_slice(py, &b.mean))?;
+        let sigma: Vec<f32> = w.sigma.iter().map(|s| s.to_f32()).collect();
+        d.set_item("sigma", PyArray1::from_vec(py, sigma))?;
+        d.set_item("bits", PyArray1::from_slice(py, &w.comp_bits))?;
+        d.set_item("gains", PyArray1::from_slice(py, &gains))?;
+        d.set_item("codes", PyArray1::from_slice(py, w.codes))?;
+        let pos: Vec<i64> = w.outliers.iter().map(|&(i, _)| i as i64).collect();
+        let val: Vec<f32> = w.outliers.iter().map(|&(_, v)| v.to_f32()).collect();
+        d.set_item("outlier_pos", PyArray1::from_vec(py, pos))?;
+        d.set_item("outlier_val", PyArray1::from_vec(py, val))?;
+        list.append(d)?;
+    }
+    Ok(list)
+}

@@ -1,0 +1,205 @@
+"""Decoding coded blocks with torch ops on the device the model runs on.
+
+The codec's own decoder runs on the CPU. A model on an accelerator that attends over the codes
+(``hf/coded_attention.py``, off the CPU) would otherwise decode every block on the CPU on every
+step and copy the coordinates over, so the CPU sets the pace (``docs/speed.md``). Here a
+stream kind's blocks are held on the device once, when they are written (their packed code
+streams and side values as stored: :class:`DeviceBlocks`), and each step decodes them there
+with a handful of gathers and multiply-adds per run of equal blocks.
+
+The arithmetic is the codec's, in its order (:func:`kakeyaturbo._core.waterfill_sections`):
+component ``j`` of a vector is ``mean_j + (level(code) * sigma_j) * gain(bits_j)``, ``mean_j``
+where ``bits_j = 0``, and an outlier ``mean_j + value * sigma_j``; so the output equals the
+codec's decoder bit for bit on any device that rounds float32 as IEEE does. It reads the
+blocks the pipeline's recipes write (water-filled, no basis); the sections come from the
+codec's reader, which has checked every byte, and the values each block can decode to are
+checked finite when it is taken on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from . import _core
+from ._runs import equal_runs
+from .norm_codes import NormCodes
+
+__all__ = ["DeviceBlocks", "PackedRun"]
+
+#: Widest code of one component (the codec's ``MAX_COMPONENT_BITS``).
+MAX_WIDTH = 8
+#: Zero bytes after the last code stream: a code is read from the two bytes it starts in,
+#: and a zero-width component at the very end starts one byte past the stream.
+_PAD = 2
+
+_SKELETON = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _level_table() -> torch.Tensor:
+    """``[MAX_WIDTH + 1, 256]`` float32: row ``b`` the Gaussian codebook of ``b`` bits (row 0
+    a single zero level), zero-padded."""
+    table = torch.zeros(MAX_WIDTH + 1, 1 << MAX_WIDTH)
+    for b in range(1, MAX_WIDTH + 1):
+        table[b, : 1 << b] = torch.tensor(_core.gaussian_codebook(b))
+    return table
+
+
+_LEVELS = _level_table()
+_LEVELS_ON: dict[str, torch.Tensor] = {}  # _LEVELS flattened, per device (shared by all runs)
+
+
+def _levels_on(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    if key not in _LEVELS_ON:
+        _LEVELS_ON[key] = _LEVELS.flatten().to(device)
+    return _LEVELS_ON[key]
+
+
+@dataclass(eq=False)
+class PackedRun:
+    """Equally long coded streams (``K`` stream-blocks of ``n`` vectors of ``d`` values) held
+    on one device as stored: the packed codes one after the other, and per stream-block its
+    component widths, scales and mean."""
+
+    codes: torch.Tensor  # uint8 [sum of code bytes + _PAD]
+    base: torch.Tensor  # int64 [K]: first byte of each stream-block's codes
+    per_vector: torch.Tensor  # int64 [K]: bits of one vector
+    bits: torch.Tensor  # uint8 [K, d]
+    sigma: torch.Tensor  # float16 [K, d] (stored so)
+    mean: torch.Tensor  # [K, d] in the skeleton dtype (stored so)
+    gains: torch.Tensor  # float32 [MAX_WIDTH + 1]: reconstruction gain per width
+    outlier_pos: torch.Tensor  # int64 [m]: into the [K, n, d] output, flattened
+    outlier_val: torch.Tensor  # float16 [m]
+    n: int
+
+    @classmethod
+    def of(cls, encs: Sequence[Any], device: torch.device) -> PackedRun:
+        """The stream-blocks ``encs`` (``kakeyaturbo.EncodedLayer``, one block each, equally
+        long) on ``device``."""
+        parts = []
+        for enc in encs:
+            raw = getattr(enc, "_raw", enc)
+            sections = _core.waterfill_sections(raw)
+            if len(sections) != 1:
+                raise ValueError(f"expected one block per coded stream, got {len(sections)}")
+            parts.append((sections[0], raw.params))
+        n = parts[0][0]["n"]
+        if any(s["n"] != n for s, _ in parts):
+            raise ValueError("PackedRun: the streams hold different numbers of vectors")
+        skeleton = {p.skeleton_dtype for _, p in parts}
+        gains = {s["gains"].tobytes() for s, _ in parts}
+        if len(skeleton) != 1 or len(gains) != 1:
+            raise ValueError("PackedRun: the streams were coded with different parameters")
+        sections = [s for s, _ in parts]
+        _check_finite(sections)
+        sizes = np.array([s["codes"].size for s in sections], dtype=np.int64)
+        base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        codes = np.concatenate([s["codes"] for s in sections] + [np.zeros(_PAD, np.uint8)])
+        d = sections[0]["bits"].size
+        pos = [s["outlier_pos"] + k * n * d for k, s in enumerate(sections)]
+        mean = torch.from_numpy(np.stack([s["mean"] for s in sections]))
+        put = lambda a: torch.as_tensor(a).to(device)  # noqa: E731
+        return cls(
+            codes=put(codes),
+            base=put(base),
+            per_vector=put(np.array([int(s["bits"].sum(dtype=np.int64)) for s in sections])),
+            bits=put(np.stack([s["bits"] for s in sections])),
+            sigma=put(np.stack([s["sigma"] for s in sections]).astype(np.float16)),
+            mean=mean.to(_SKELETON[skeleton.pop()]).to(device),
+            gains=put(sections[0]["gains"]),
+            outlier_pos=put(np.concatenate(pos)),
+            outlier_val=put(np.concatenate([s["outlier_val"] for s in sections])).half(),
+            n=n,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on the device (the codebooks' level table, shared, is not counted)."""
+        held = (self.codes, self.base, self.per_vector, self.bits, self.sigma, self.mean)
+        held += (self.gains, self.outlier_pos, self.outlier_val)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def decode(self) -> torch.Tensor:
+        """``[K, n, d]`` float32 on the run's device, as the codec decodes it."""
+        k, d = self.bits.shape
+        dev = self.codes.device
+        bits = self.bits.long()
+        # Bit at which component j of vector i starts: the stream-block's first bit, i whole
+        # vectors, then the widths of the components before j.
+        first = self.base[:, None] * 8 + bits.cumsum(-1) - bits  # [K, d]
+        vector = torch.arange(self.n, device=dev)[None, :, None] * self.per_vector[:, None, None]
+        start = first[:, None, :] + vector  # [K, n, d]
+        byte = start >> 3
+        word = self.codes[byte].int() | (self.codes[byte + 1].int() << 8)
+        code = (word >> (start & 7).int()) & ((1 << bits) - 1).int()[:, None, :]
+        level = _levels_on(dev)[bits[:, None, :] * (1 << MAX_WIDTH) + code]
+        sigma, mean = self.sigma.float()[:, None, :], self.mean.float()[:, None, :]
+        y = mean + (level * sigma) * self.gains[bits][:, None, :]
+        if self.outlier_pos.numel():
+            flat = y.view(-1)
+            block, comp = self.outlier_pos // (self.n * d), self.outlier_pos % d
+            value = self.outlier_val.float() * self.sigma[block, comp].float()
+            flat[self.outlier_pos] = self.mean[block, comp].float() + value
+        return y
+
+
+def _check_finite(sections: list[dict]) -> None:
+    """Every value a block can decode to is finite (the codec's decoder checks the same)."""
+    top = np.abs(_LEVELS.numpy()).max(axis=1)  # largest level magnitude per width
+    for s in sections:
+        bits = s["bits"].astype(np.int64)
+        reach = np.abs(s["mean"]) + top[bits] * s["sigma"] * s["gains"][bits]
+        comp = s["outlier_pos"] % bits.size
+        outl = np.abs(s["mean"][comp]) + np.abs(s["outlier_val"]) * s["sigma"][comp]
+        if not (np.isfinite(reach).all() and np.isfinite(outl).all()):
+            raise ValueError("decoded values are not finite")
+
+
+@dataclass(eq=False)
+class DeviceBlocks:
+    """One stream kind's blocks of a layer (``pipeline.CodedBlock``, oldest first) held on
+    ``device`` for decoding there: the pipeline's ``decode_codes`` / ``decode`` take it in
+    place of the blocks. Built when a cache's blocks change, reused every step."""
+
+    runs: list[tuple[PackedRun, int]]  # each run of equally long blocks, and its block count
+    streams: int  # coded streams per block (rows x heads, or rows across heads)
+    norms: Optional[list[NormCodes]]  # the blocks' token norms on the device, or None
+    tokens: int
+
+    @classmethod
+    def of(cls, blocks: Sequence[Any], device: torch.device) -> DeviceBlocks:
+        if not blocks:
+            raise ValueError("DeviceBlocks: no blocks")
+        streams = len(blocks[0].encs)
+        runs = []
+        for run in equal_runs(blocks, lambda blk: blk.tokens):
+            encs = [blk.encs[s] for s in range(streams) for blk in run]  # stream-major
+            runs.append((PackedRun.of(encs, device), len(run)))
+        norms = None
+        if blocks[0].norms is not None:  # copies even on the CPU: nbytes counts what is held
+            norms = [
+                NormCodes(
+                    blk.norms.codes.to(device, copy=True), blk.norms.bounds.to(device, copy=True)
+                )
+                for blk in blocks
+            ]
+        return cls(runs, streams, norms, sum(blk.tokens for blk in blocks))
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(run.nbytes for run, _ in self.runs)
+        return held + sum(n.nbytes for n in self.norms or ())
+
+    def decode(self, rows: int) -> torch.Tensor:
+        """``[rows, S, tokens, C]`` float32 on the device: what ``pipeline.decode_blocks``
+        returns for the same blocks."""
+        parts = []
+        for run, count in self.runs:
+            y = run.decode()  # [streams * count, n, C], stream-major
+            parts.append(y.reshape(rows, self.streams // rows, count * run.n, y.shape[-1]))
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
