@@ -126,7 +126,7 @@ class PackedRun:
 
     def decode(self) -> torch.Tensor:
         """``[K, n, d]`` float32 on the run's device, as the codec decodes it."""
-        k, d = self.bits.shape
+        d = self.bits.shape[1]
         dev = self.codes.device
         bits = self.bits.long()
         # Bit at which component j of vector i starts: the stream-block's first bit, i whole
