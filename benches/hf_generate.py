@@ -277,8 +277,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--device",
         default="cpu",
-        help="where the model runs (cuda: KakeyaCache's codec still runs on the CPU, and each "
-        "step decodes the coded blocks there and moves them to the GPU)",
+        help="where the model runs (cuda: KakeyaCache's codec encodes on the CPU; attention "
+        "decodes the blocks on the GPU from copies held there, device_decode.py)",
     )
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument(

@@ -137,6 +137,11 @@ def test_frames_across_heads_are_derived_once_per_bundle(joint_bundle):
     a, b = Pipeline(default_recipe(calib), calib), Pipeline(default_recipe(calib), calib)
     assert a.joint_frame(1, "k") is b.joint_frame(1, "k") is a.fresh().joint_frame(1, "k")
     assert a.joint_frame(1, "v") is not a.joint_frame(1, "k")
+    # So are the bundle's matrices copied to the device a model runs on.
+    m = a._transforms.matrix(1, "k", "inv")
+    meta = torch.device("meta")
+    on_a = a._transforms.on(m, (1, "k", "inv"), meta)
+    assert on_a.device == meta and on_a is b._transforms.on(m, (1, "k", "inv"), meta)
     assert "derived" not in repr(calib)
 
 

@@ -442,15 +442,22 @@ class Pipeline:
         tokens = sum(blk.tokens for blk in blocks)
         return BlockRun(_codec.core_layers(encs), streams, norms, tokens, tuple(blocks))
 
-    def frame_inverse(self, layer: int, stream: str) -> Optional[torch.Tensor]:
+    def frame_inverse(
+        self, layer: int, stream: str, device: Optional[torch.device] = None
+    ) -> Optional[torch.Tensor]:
         """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
-        :meth:`decode_frame` (None: the identity frame)."""
+        :meth:`decode_frame` (None: the identity frame), on ``device`` (default: the CPU; a
+        bundle's copy there is made once per bundle)."""
         if self.recipe.joint(stream):
             raise ValueError("blocks coded across heads (joint_heads): see joint_frame")
         if self._transforms is not None:
-            return self._transforms.matrix(layer, stream, "inv")
+            m = self._transforms.matrix(layer, stream, "inv")
+            return m if device is None else self._transforms.on(m, (layer, stream, "inv"), device)
         frame = self._frames[(layer, stream)]
-        return frame.float().transpose(-1, -2) if frame.numel() else None
+        if not frame.numel():
+            return None
+        m = frame.float().transpose(-1, -2)
+        return m if device is None else m.to(device)
 
     def roundtrip(
         self,
@@ -493,8 +500,8 @@ class Pipeline:
         else:
             # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
             # encoder projected with the same matrix, so the round trip stays consistent.
-            m = self.frame_inverse(layer, stream)
-            x = y if m is None else y @ m.to(y.device)
+            m = self.frame_inverse(layer, stream, y.device)
+            x = y if m is None else y @ m
         if positions is not None and stream == "k" and self.recipe.pre_rope:
             x = self._rope_for(layer).rotate(x, positions)
         return x

@@ -41,17 +41,20 @@ class KVTransforms:
             for s in "kv"
             if f"{s}_joint" in t
         }
-        self._on: dict[tuple, torch.Tensor] = {}  # matrices copied to another device, once
+        # Copies on another device are bundle data, like the frames derived from it: made once
+        # per bundle and shared by every pipeline (so every cache) on it.
+        self._derived, self._whiten = calib.derived, whiten
 
     def on(self, m: torch.Tensor, key: tuple, device: torch.device) -> torch.Tensor:
         """``m`` (one of this bundle's matrices, named by ``key``) on ``device``: a model on
-        an accelerator gets each matrix copied there once, not on every decode step."""
+        an accelerator gets each matrix copied there once per bundle, not on every decode
+        step nor per cache."""
         if m.device == device:
             return m
-        k = (*key, str(device))
-        if k not in self._on:
-            self._on[k] = m.to(device)
-        return self._on[k]
+        k = ("on device", self._whiten, *key, str(device))
+        if k not in self._derived:
+            self._derived[k] = m.to(device)
+        return self._derived[k]
 
     def matrix(self, layer: int, stream: str, way: str) -> torch.Tensor:
         """``[H, D, D]`` float32 ``m`` of ``layer``'s ``stream``: ``y = x @ m`` (``way="fwd"``)

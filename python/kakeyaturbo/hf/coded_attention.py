@@ -193,9 +193,9 @@ class CodedView:
             if v_scale is not None:
                 weights = weights * v_scale[:, :, None]
             out = weights @ values
-        frame = None if joint_v else pipe.frame_inverse(li, "v")
+        frame = None if joint_v else pipe.frame_inverse(li, "v", dev)
         if frame is not None:
-            out = out @ frame.to(dev)
+            out = out @ frame
         out += probs[..., clen:] @ value
         return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
 
@@ -338,8 +338,7 @@ class CodedView:
         # Token norms (when a stream has them) scale a token's logit: attention is linear in
         # each key, so no decoded vector is rescaled.
         keys, k_scale = pipe.decode_codes(kb, "k", q.shape[0])
-        frame = pipe.frame_inverse(lay.layer_idx, "k")
-        frame = None if frame is None else frame.to(dev)
+        frame = pipe.frame_inverse(lay.layer_idx, "k", dev)
         if lay._rope is not None:
             order = self._paired_order(d, dev)
             keys = keys[..., order] if frame is None else keys @ frame[..., order]
