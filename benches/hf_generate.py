@@ -257,6 +257,13 @@ def main(argv=None) -> None:
         "model holds what a bfloat16 deployment holds (default: the model's)",
     )
     ap.add_argument(
+        "--int8-hot-values",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="KakeyaCache's int8_hot_values: its hot window's values as int8 rows (default: "
+        "the cache's default, on)",
+    )
+    ap.add_argument(
         "--residual-length",
         type=int,
         default=None,
@@ -313,6 +320,8 @@ def main(argv=None) -> None:
         options["recipe"] = default_recipe(calibration, block_size=args.block_size)
     if args.residual_length is not None:
         options["residual_length"] = args.residual_length
+    if args.int8_hot_values is not None:
+        options["int8_hot_values"] = args.int8_hot_values
     if args.post_rope:
         options["pre_rope"] = False
     probe = KakeyaCache(model.config, **options)  # what the caches use
@@ -329,6 +338,8 @@ def main(argv=None) -> None:
     )
     print(f"kakeya recipe: K {recipe.k.to_dict()}\n               V {recipe.v.to_dict()}")
     hot = args.hot_dtype if args.hot_dtype != "model" else f"the model's ({model.dtype})"
+    if probe.int8_hot_values:
+        hot += ", values as int8 rows"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
     qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
     print(f"quantized cache: {qdesc}")

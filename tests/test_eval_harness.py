@@ -218,6 +218,31 @@ def test_kakeya_holds_sinks_exact_and_counts_them(setup):
         assert row["encoded"] > 0 and row["frames"] == 0  # too few tokens for a frame
 
 
+def test_window_values_int8_is_what_the_cache_holds(setup):
+    """`window_values=int8`: the recent window's values come back as KakeyaCache's default hot
+    window holds them (int8 rows) and are counted at D + 2 bytes a row; keys and sinks stay
+    bf16, and a method that codes nothing of the window is unaffected."""
+    from kakeyaturbo.hf import int8_rows
+    from kakeyaturbo.hf.rope import ModelRope
+
+    model, ref = setup
+    _, heads, dim = geometry(setup)
+    method = build_method("kakeya:block_size=64,residual_length=8,window_values=int8")
+    assert method.options.window_values == "int8"
+    x = ref.batches[0].cache.layers[2].values
+    y, rows = compress_stream(method, x, 2, "v", None)
+    assert torch.equal(y[:, :, -8:], int8_rows.round_trip(x[:, :, -8:]))
+    assert torch.equal(y[:, :, :4], bf16_round(x[:, :, :4]))
+    for row in rows:
+        assert row["int8_window"] == heads * 8 * (dim + 2)
+        assert row["full_precision"] == heads * 4 * dim * 2
+    k = ref.batches[0].cache.layers[2].keys
+    yk, _ = compress_stream(method, k, 2, "k", ModelRope(model.config))
+    assert torch.equal(yk[:, :, -8:], bf16_round(k[:, :, -8:]))
+    with pytest.raises(ValueError, match="window_values"):
+        build_method("kakeya:window_values=int4")
+
+
 def test_bare_kakeya_is_the_project_recipe(setup):
     from kakeyaturbo.recipes import default_recipe
 
@@ -255,6 +280,11 @@ def test_in_forward_hot_reads_recent_tokens_exact(setup, monkeypatch):
         m: run(setup, "kivi:bits=2", m)["kl"] for m in ("snapshot", "in-forward-hot", "in-forward")
     }
     assert kl["snapshot"] < kl["in-forward-hot"] < kl["in-forward"]
+    # The window's values as KakeyaCache's default holds them (int8 rows): really rounded,
+    # and far less than the codes move the result.
+    int8 = run(setup, "kivi:bits=2,window_values=int8", "in-forward-hot")["kl"]
+    assert int8 != kl["in-forward-hot"]
+    assert int8 == pytest.approx(kl["in-forward-hot"], rel=0.05)
     # Outside the protocol the attention is sdpa's: nothing stashed leaks into other runs.
     assert hot_window._EXACT.get() is None
 

@@ -217,7 +217,9 @@ def test_whole_layer_budget_uses_one_decoded_buffer(model, ids):
     # 64-token blocks, residual 32: one block is compressed during the 60 decode steps, so the
     # buffer's deferred decode of new blocks is exercised too.
     k = kt.CodecParams(block_size=64)
-    kw = dict(k_params=k, residual_length=32)
+    # Exact hot values: the buffer reads a forward's own new tokens as the window holds them
+    # (int8 rows by default), decoding every step reads them as they came.
+    kw = dict(k_params=k, residual_length=32, int8_hot_values=False)
     big = fill(
         model, ids, KakeyaCache.from_model(model, decoded_cache_bytes=1 << 30, **kw), steps=60
     )
@@ -265,7 +267,7 @@ def test_hot_dtype_halves_the_exact_tokens(model, ids):
     """bfloat16 hot window and sinks on a float32 model: half their bytes, counted exactly, the
     same codes' share of the bytes, and outputs within bfloat16 rounding of the float32 ones."""
     caches = {
-        dt: fill(model, ids, KakeyaCache.from_model(model, hot_dtype=dt))
+        dt: fill(model, ids, KakeyaCache.from_model(model, hot_dtype=dt, int8_hot_values=False))
         for dt in (None, torch.bfloat16)
     }
     full, half = (caches[dt].memory_report() for dt in (None, torch.bfloat16))
@@ -285,3 +287,42 @@ def test_hot_dtype_halves_the_exact_tokens(model, ids):
     assert not torch.equal(a, b)  # the hot window really is held rounded
     with pytest.raises(TypeError, match="hot_dtype"):
         KakeyaCache(model.config, hot_dtype=torch.int8)
+
+
+def test_int8_hot_values_hold_rows_of_codes(model, ids):
+    """Hot values as int8 rows: D + 2 bytes a row instead of 4 D (float32 model), counted
+    exactly; keys and sinks stay in the hot dtype; each value within half a step; and
+    the next token's logits move less than the blocks' codes move them."""
+    exact = fill(model, ids, KakeyaCache.from_model(model, int8_hot_values=False))
+    rows = fill(model, ids, KakeyaCache.from_model(model))  # the default
+    saved = 0
+    for a, b in zip(exact.layers, rows.layers):
+        bsz, h, t, d = a._hot_v.shape
+        assert b._hot_v.shape == (bsz, h, t, d + 2) and b._hot_v.dtype == torch.int8
+        assert b._hot_k.dtype == b._sink_v.dtype == torch.float32  # the model's
+        saved += bsz * h * t * (4 * d - (d + 2))
+    # Layer 0's values come from the tokens alone (later layers' from what the rounded values
+    # changed): within half a step of the exact window's.
+    ref, got = exact.layers[0]._hot_v.float(), rows.layers[0]._hot_values()
+    step = ref.abs().amax(-1, keepdim=True) / 127
+    assert bool(((got - ref).abs() <= 0.51 * step).all())
+    assert torch.equal(exact.layers[0]._hot_k, rows.layers[0]._hot_k)
+    rep_a, rep_b = exact.memory_report(), rows.memory_report()
+    assert rep_a["full_precision_bytes"] - rep_b["full_precision_bytes"] == saved > 0
+    assert rep_a["compressed_bytes"] == pytest.approx(rep_b["compressed_bytes"], rel=0.01)
+    tensors, enc_bytes, _, norms = held_bytes(rows)
+    assert rep_b["total_bytes"] == tensors + enc_bytes + norms
+    with torch.inference_mode():
+        dense = fill(model, ids, DynamicCache(config=model.config))
+        a, b, ref = (
+            model(ids[:, -1:], **{CACHE_ARG: c}, use_cache=True).logits[:, -1].log_softmax(-1)
+            for c in (exact, rows, dense)
+        )
+    assert not torch.equal(a, b)  # the values really are held as codes
+
+    def kl(p, q):
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    # On this small model's one token the codes move it by 1.7e-5, the int8 values by 7e-6
+    # (SmolLM2 in-forward-hot: 1.8e-3 and 5e-5, docs/speed.md).
+    assert kl(a, b) < kl(ref, a)

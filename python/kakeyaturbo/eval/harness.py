@@ -11,7 +11,8 @@ For each passage of ctx + n_eval + 1 tokens:
      reconstructed K/V of the layers before it (errors compound with depth);
    - in-forward-hot mode: in-forward, but each query of the prefill reads its newest
      `hot_window.HOT_WINDOW` tokens exact, as tokens generated through `KakeyaCache` read its
-     hot window (`eval/hot_window.py`);
+     hot window (`eval/hot_window.py`; with `window_values=int8` their values as int8 rows, as
+     `KakeyaCache`'s default holds them);
 3. teacher-force the next `n_eval` tokens on top of it (their own K/V are not compressed) and
    score the predictions of tokens ctx+1 .. ctx+n_eval against the uncompressed run.
 
@@ -36,7 +37,7 @@ from kakeyaturbo.eval import hot_window
 from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
-from kakeyaturbo.hf import CACHE_ARG
+from kakeyaturbo.hf import CACHE_ARG, int8_rows
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import Passage
 
@@ -99,11 +100,17 @@ def compress_stream(
         parts.append(mid_hat)
         for r, m in zip(rows, mid_rows):
             _add(r, m)
+    # The recent window's values as KakeyaCache(int8_hot_values=True) holds them.
+    int8_window = stream == "v" and opts.window_values == "int8"
     if w:
-        parts.append(keep(x[:, :, t - w :]))
-    if s or w:
-        for r in rows:
-            _add(r, {"full_precision": full(s + w)})
+        recent = x[:, :, t - w :]
+        parts.append(int8_rows.round_trip(recent) if int8_window else keep(recent))
+    held: ByteCount = {"full_precision": full(s + w)} if s or w else {}
+    if int8_window and w:
+        held = {"int8_window": h * w * (d + int8_rows.SCALE_BYTES)}
+        held.update({"full_precision": full(s)} if s else {})
+    for r in rows:
+        _add(r, held)
     x_hat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return x_hat, rows
 
@@ -120,7 +127,10 @@ class CompressingCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.active and not _sliding(self, layer_idx):
-            hot_window.stash(layer_idx, key_states, value_states)
+            exact_v = value_states
+            if self.method.options.window_values == "int8":
+                exact_v = int8_rows.round_trip(value_states)
+            hot_window.stash(layer_idx, key_states, exact_v)
             key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
             value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
             if self.rows is None:

@@ -12,6 +12,9 @@ These keys are handled by the harness for every method, so they mean the same th
   stored as bf16, counted);
 - `residual_length=N`: the last N tokens of the prefix stay full precision (the recent window,
   as `KakeyaCache`'s hot window);
+- `window_values=full|int8`: `int8` holds the values of that recent window (and of the
+  `in-forward-hot` protocol's window) as `KakeyaCache(int8_hot_values=True)` holds them
+  (`kakeyaturbo.hf.int8_rows`, D + 2 bytes a row);
 - `skip_layers=a+b`: those layers stay full precision;
 - `layers=a+b`: only those layers are compressed (diagnostics; the others stay full precision);
 - `streams=kv|k|v`: which of keys/values are compressed (the other stays full precision);
@@ -52,6 +55,7 @@ __all__ = [
 COMMON_KEY_VALUES = {
     "sink_tokens": "N",
     "residual_length": "N",
+    "window_values": "full|int8",
     "skip_layers": "a+b",
     "layers": "a+b",
     "streams": "kv|k|v",
@@ -129,6 +133,7 @@ class MethodOptions:
 
     sink_tokens: int = 0
     residual_length: int = 0
+    window_values: str = "full"
     skip_layers: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None
     streams: str = "kv"
@@ -156,7 +161,11 @@ class MethodOptions:
             kw["pre_rope"] = bool(params["pre_rope"])
         if "passthrough" in params:
             kw["passthrough"] = str(params["passthrough"]).lower()
+        if "window_values" in params:
+            kw["window_values"] = str(params["window_values"]).lower()
         opts = replace(base, **kw)
+        if opts.window_values not in ("full", "int8"):
+            raise ValueError(f"window_values must be full or int8, not {opts.window_values!r}")
         if opts.passthrough not in ("bf16", "exact"):
             raise ValueError(f"passthrough must be bf16 or exact, not {opts.passthrough!r}")
         if opts.streams not in ("kv", "k", "v"):
@@ -174,6 +183,7 @@ class MethodOptions:
         return {
             "sink_tokens": self.sink_tokens,
             "residual_length": self.residual_length,
+            "window_values": self.window_values,
             "skip_layers": list(self.skip_layers),
             "layers": None if self.layers is None else list(self.layers),
             "streams": self.streams,

@@ -62,6 +62,12 @@ def _floating_dtype(name: str, value: object) -> torch.dtype | None:
     return value
 
 
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _non_negative_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -94,6 +100,10 @@ class KakeyaCache(Cache):
             (default): the model's. ``torch.bfloat16`` on a float32 model halves their bytes
             (what a bfloat16 deployment holds) at bfloat16's rounding of those tokens; the
             codec then codes the rounded tokens.
+        int8_hot_values: hold the hot window's values as int8 rows (default; one bfloat16
+            scale per token and head, :mod:`~kakeyaturbo.hf.int8_rows`): about half the bytes
+            of bfloat16, each entry within 0.4% of its row's largest; keys and sinks stay in
+            ``hot_dtype``. False: values in ``hot_dtype`` too.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
@@ -114,6 +124,7 @@ class KakeyaCache(Cache):
         pre_rope: bool | None = None,
         decoded_cache_bytes: int = 0,
         hot_dtype: torch.dtype | None = None,
+        int8_hot_values: bool = True,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
@@ -130,6 +141,7 @@ class KakeyaCache(Cache):
             budget=DecodedBudget(decoded_cache_bytes),
             pipeline=Pipeline(self.recipe, self.calibration, self._rope),
             hot_dtype=_floating_dtype("hot_dtype", hot_dtype),
+            int8_hot_values=_flag("int8_hot_values", int8_hot_values),
         )
         cfg = text_config(config)
         layers = [
@@ -157,6 +169,10 @@ class KakeyaCache(Cache):
     @property
     def sink_tokens(self) -> int:
         return self.recipe.sink_tokens
+
+    @property
+    def int8_hot_values(self) -> bool:
+        return self._ctx.int8_hot_values
 
     def _make_layer(self, spec: LayerSpec, cfg: PretrainedConfig):
         if spec.kind is LayerKind.COMPRESSED:

@@ -127,9 +127,10 @@ class CodedView:
         other exact tokens, the sinks held beside the blocks (all ``S`` of them; :meth:`attend`
         masks those that are not in a block) and the hot window, are kept here as runs as they
         are held (a bfloat16 window stays bfloat16: the codec reads it so, with no float32
-        copy per step), and :meth:`attend` puts them before the new ones."""
+        copy per step; values held as int8 rows are decoded to float32 here), and
+        :meth:`attend` puts them before the new ones."""
         lay = self.layer
-        ks, vs = [lay._hot_k], [lay._hot_v]
+        ks, vs = [lay._hot_k], [lay._hot_values()]
         if self.sinks is not None:
             ks.insert(0, lay._sink_k.transpose(1, 2).contiguous())
             vs.insert(0, lay._sink_v.transpose(1, 2).contiguous())

@@ -3,7 +3,8 @@
 Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
 
     [ block 0 | block 1 | ... | block n-1 | hot window ]
-      compressed, block_size tokens each    full precision, >= residual_length tokens
+      compressed, block_size tokens each    >= residual_length tokens: keys in the hot
+                                            dtype, values as int8 rows (or in the hot dtype)
 
 New tokens land in the hot window. Whenever the hot window holds ``block_size`` tokens more than
 ``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
@@ -28,7 +29,9 @@ keeps one contiguous decoded buffer instead: each block is decoded once (at the 
 was compressed), new tokens are written in place, and ``update`` returns views of it, so a step
 costs no decode and no O(L) copy. Otherwise single decoded blocks are kept while they fit.
 Tokens that arrive in a forward are attended at full precision in that forward, before they are
-compressed; every budget setting returns the same values.
+compressed; every budget setting returns the same values, except that the contiguous buffer
+holds a forward's own new tokens as the hot window does (hot dtype, int8 values) already in
+that forward.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 
 from ..pipeline import CodedBlock, Pipeline
-from . import heap
+from . import heap, int8_rows
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
 from .coded_attention import CodedView, LayerBlocks
@@ -73,6 +76,8 @@ class CacheContext:
     pipeline: Pipeline  # frames fitted on a layer's first flushed tokens live here (aux bytes)
     step: StepInputs = field(default_factory=StepInputs)
     hot_dtype: torch.dtype | None = None  # exact tokens' storage dtype (None: the model's)
+    # The hot window's values held as int8 rows (int8_rows.py) instead of in the hot dtype.
+    int8_hot_values: bool = False
 
 
 @dataclass(eq=False)  # identity: blocks are compared by `is`, never by content
@@ -157,7 +162,8 @@ class KakeyaLayer(CacheLayerMixin):
         self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
         self.is_initialized = False
         # The hot window, set together by _set_hot: [B, H, T_hot, D] in the hot dtype (the
-        # model's unless set); [B, T_hot] int32 positions, pre-RoPE mode only.
+        # model's unless set; values as int8 rows [B, H, T_hot, D + 2] with int8_hot_values:
+        # read them through _hot_values); [B, T_hot] int32 positions, pre-RoPE mode only.
         self._hot_k: Any = None
         self._hot_v: Any = None
         self._hot_pos: Any = None
@@ -169,6 +175,8 @@ class KakeyaLayer(CacheLayerMixin):
         self._sink_v: Any = None
         self._len = 0
         self._rows = self._heads = 0
+        self._v_dim = 0
+        self._hot_float: Any = None  # the hot dtype (keys, sinks; values unless int8 rows)
         # Contiguous decoded buffer ([B, H, capacity, D]), held under the decoded budget.
         self._buf_k: Any = None
         self._buf_v: Any = None
@@ -184,13 +192,14 @@ class KakeyaLayer(CacheLayerMixin):
             )
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, _ = key_states.shape
-        self._rows, self._heads = b, h
+        self._rows, self._heads, self._v_dim = b, h, value_states.shape[-1]
         hot = self._ctx.hot_dtype or key_states.dtype
+        self._hot_float = hot
         pos = None
         if self._rope is not None:
             pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
         self._set_hot(
-            key_states[:, :, :0].to(hot).clone(), value_states[:, :, :0].to(hot).clone(), pos
+            key_states[:, :, :0].to(hot).clone(), self._held_values(value_states[:, :, :0]), pos
         )
         self.is_initialized = True
 
@@ -203,6 +212,24 @@ class KakeyaLayer(CacheLayerMixin):
         """Make ``k``, ``v``, ``pos`` (owned by the layer from now on) the hot window."""
         self._hot_k, self._hot_v, self._hot_pos = k, v, pos
 
+    def _held_values(self, v: torch.Tensor) -> torch.Tensor:
+        """Values ``[..., D]`` as the hot window holds them (a new tensor)."""
+        if self._ctx.int8_hot_values:
+            return int8_rows.encode(v)
+        return v.to(self._hot_float, copy=True)
+
+    def _hot_values(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Hot values ``lo..hi`` ``[B, H, n, D]`` as attention reads them: in the hot dtype, or
+        decoded from int8 rows to float32."""
+        held = self._hot_v[:, :, lo:hi]
+        return int8_rows.decode(held) if self._ctx.int8_hot_values else held
+
+    def _as_held_values(self, v: torch.Tensor) -> torch.Tensor:
+        """``v`` rounded as the hot window holds it, in ``v``'s dtype."""
+        if self._ctx.int8_hot_values:
+            return int8_rows.round_trip(v)
+        return v.to(self._hot_float)
+
     def _keep_hot(self, lo: int, hi: int) -> None:
         """Keep hot tokens ``lo..hi`` only (copied: a view would keep the whole window)."""
         pos = self._hot_pos
@@ -213,13 +240,13 @@ class KakeyaLayer(CacheLayerMixin):
         )
 
     def _append_hot(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> None:
-        """Append tokens to the hot window (rounded to the hot dtype, if one is set). A copy of
+        """Append tokens to the hot window (as it holds them: the hot dtype, int8 rows). A copy of
         the window per step: spare room to append in place would be bytes held (16 spare tokens
         would be about 1% of what the cache holds at 8k tokens)."""
         hot_k, hot_v, hot_pos = self._hot_k, self._hot_v, self._hot_pos
         self._set_hot(
             torch.cat([hot_k, k.to(hot_k.dtype)], dim=-2),
-            torch.cat([hot_v, v.to(hot_v.dtype)], dim=-2),
+            torch.cat([hot_v, self._held_values(v)], dim=-2),
             None if pos is None else torch.cat([hot_pos, pos], dim=-1),
         )
 
@@ -251,7 +278,7 @@ class KakeyaLayer(CacheLayerMixin):
         if self._ctx.budget.limit and self._buffer_ready(start + q):
             # As the hot window holds them (rounded to the hot dtype, if one is set).
             self._buf_k[:, :, start : start + q] = key_states.to(self._hot_k.dtype)
-            self._buf_v[:, :, start : start + q] = value_states.to(self._hot_v.dtype)
+            self._buf_v[:, :, start : start + q] = self._as_held_values(value_states)
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
         elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
@@ -263,7 +290,7 @@ class KakeyaLayer(CacheLayerMixin):
             full_k, full_v = view.exact_part(key_states, value_states)
         else:
             old_k, old_v = self._materialize()
-            hot_k, hot_v = self._hot_k.to(self.dtype), self._hot_v.to(self.dtype)
+            hot_k, hot_v = self._hot_k.to(self.dtype), self._hot_values().to(self.dtype)
             full_k = torch.cat([*old_k, hot_k, key_states], dim=-2)
             full_v = torch.cat([*old_v, hot_v, value_states], dim=-2)
             self._overwrite_sinks(full_k, full_v, 0, self.compressed_length, 0)
@@ -333,18 +360,14 @@ class KakeyaLayer(CacheLayerMixin):
                 self._drop_decoded(blk)
             self._blocks = self._blocks[:whole]
             if tail is not None:
-                self._set_hot(
-                    tk[:, :, :rest].to(self._hot_k.dtype).clone(),
-                    tv[:, :, :rest].to(self._hot_v.dtype).clone(),
-                    None if self._hot_pos is None else tail.positions[:, :rest].clone(),
-                )
+                tk, tv = tk[:, :, :rest].clone(), tv[:, :, :rest].clone()
                 # Sinks were encoded as the block mean: put the exact ones back.
-                self._overwrite_sinks(
-                    self._hot_k,
-                    self._hot_v,
-                    whole * self.block_size,
-                    new_len,
-                    whole * self.block_size,
+                lo = whole * self.block_size
+                self._overwrite_sinks(tk, tv, lo, new_len, lo)
+                self._set_hot(
+                    tk.to(self._hot_k.dtype),
+                    self._held_values(tv),
+                    None if self._hot_pos is None else tail.positions[:, :rest].clone(),
                 )
             else:
                 self._keep_hot(0, 0)
@@ -396,7 +419,7 @@ class KakeyaLayer(CacheLayerMixin):
         decoded = sum(_storage_bytes(t) for b in self._blocks if b.decoded for t in b.decoded)
         decoded += _storage_bytes(self._buf_k) + _storage_bytes(self._buf_v)
         if self.is_initialized:
-            per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
+            per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._v_dim)
             dense = per_token * self._len * self.dtype.itemsize
             bf16 = per_token * self._len * 2
         else:
@@ -422,7 +445,7 @@ class KakeyaLayer(CacheLayerMixin):
                 f"keys {tuple(k.shape)} and values {tuple(v.shape)} must be [B, H, T, D] "
                 "with equal B, H, T"
             )
-        want = (self._rows, self._heads, self._hot_k.shape[-1], self._hot_v.shape[-1])
+        want = (self._rows, self._heads, self._hot_k.shape[-1], self._v_dim)
         got = (k.shape[0], k.shape[1], k.shape[-1], v.shape[-1])
         if got != want:
             raise ValueError(
@@ -448,7 +471,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._held = None
         h = self._heads
         self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
-        self._sink_v = self._hot_v.new_zeros((b, s, h, self._hot_v.shape[-1]))
+        self._sink_v = self._hot_k.new_zeros((b, s, h, self._v_dim))
 
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if start >= self._sink_end:  # every sink slot is written (a decode step's case)
@@ -532,7 +555,7 @@ class KakeyaLayer(CacheLayerMixin):
         # Whole blocks of bs tokens only: the recipe's newest-token bits never apply here (the
         # newest residual_length tokens are held exact instead).
         enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
-        enc_v = pipe.encode(self._hot_v[:, :, :t], li, "v", None, sinks)
+        enc_v = pipe.encode(self._hot_values(0, t), li, "v", None, sinks)
         self._held = None
         for j in range(n):
             blk = _Block.holding(
@@ -544,7 +567,8 @@ class KakeyaLayer(CacheLayerMixin):
                 # attends to the exact tokens, as it does without a buffer.
                 self._buf_pending.append(blk)
         k, v = self._hot_k, self._hot_v
-        coded = t * self._rows * self._heads * (k.shape[-1] + v.shape[-1]) * k.element_size()
+        per_row = k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size()
+        coded = t * self._rows * self._heads * per_row
         self._keep_hot(t, k.shape[-2])
         heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
 
@@ -591,7 +615,7 @@ class KakeyaLayer(CacheLayerMixin):
     def _buffer_ready(self, need: int) -> bool:
         """Make the contiguous decoded buffer hold ``need`` tokens and be up to date; False
         (and no buffer) when the budget cannot hold it."""
-        per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._hot_v.shape[-1])
+        per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._v_dim)
         per_token *= self.dtype.itemsize
         budget = self._ctx.budget
         if self._buf_k is None:
@@ -604,7 +628,7 @@ class KakeyaLayer(CacheLayerMixin):
             self._release_decoded()  # single kept blocks are superseded by the buffer
             b, h = self._rows, self._heads
             buf_k = self._hot_k.new_empty((b, h, cap, self._hot_k.shape[-1]), dtype=self.dtype)
-            buf_v = self._hot_v.new_empty((b, h, cap, self._hot_v.shape[-1]), dtype=self.dtype)
+            buf_v = self._hot_k.new_empty((b, h, cap, self._v_dim), dtype=self.dtype)
             clen = self.compressed_length
             if self._blocks:
                 pieces_k, pieces_v = self._materialize(keep=False)
@@ -615,7 +639,7 @@ class KakeyaLayer(CacheLayerMixin):
                     at += pk.shape[-2]
                 self._overwrite_sinks(buf_k, buf_v, 0, clen, 0)
             buf_k[:, :, clen : self._len] = self._hot_k
-            buf_v[:, :, clen : self._len] = self._hot_v
+            buf_v[:, :, clen : self._len] = self._hot_values()
             self._buf_k, self._buf_v, self._buf_pending = buf_k, buf_v, []
             return True
         cap = self._buf_k.shape[-2]

@@ -1,0 +1,56 @@
+"""Vectors held as 8-bit integer codes with one bfloat16 scale each (the hot window's values).
+
+A row ``x`` of ``D`` entries is held as ``round(x / s)`` in int8, clamped to +-127, with
+``s = max|x| / 127`` rounded to bfloat16, both in one int8 tensor ``[..., D + 2]`` (the scale's
+two bytes last), so slicing, concatenating and selecting rows work on it as on any tensor.
+Each entry is off by at most half a step (0.4% of the row's largest entry; the bfloat16 scale
+can clip that largest entry by as much again). Decoding gives float32, where ``code * scale``
+is exact.
+
+Why values and not keys (``benches/probe_int8_exact_tokens.py``): on SmolLM2, holding every
+cached value so moves the next-token distribution by a KL of 4e-5, holding every key so by
+4.5e-4 (a few channels carry most of a key's magnitude, so the per-row step is coarse for the
+rest), against 1.8e-3 for the default recipe's codes.
+
+A row that is not finite decodes as NaN (its scale is not finite and its codes are 0), so a
+model's overflow stays visible as it would in an exact copy, and the codec refuses it when
+the row is flushed into a block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Bytes each row carries beyond its ``D`` codes (the bfloat16 scale).
+SCALE_BYTES = 2
+_LEVELS = 127
+
+
+def encode(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` floating -> ``[..., D + 2]`` int8 (codes, then the scale's bytes)."""
+    if not x.is_floating_point():
+        raise TypeError(f"int8 rows encode floating tensors, got {x.dtype}")
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / _LEVELS).to(torch.bfloat16)
+    # A zero row gives 0/0, a row that is not finite inf/inf or x/inf: codes 0 either way.
+    codes = (xf / scale.float()).nan_to_num_(0.0, 0.0, 0.0)
+    codes = codes.round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
+    # Through a flat copy: a tensor of no rows has no stride a dtype view accepts.
+    scale_bytes = scale.reshape(-1).view(torch.int8).view(*scale.shape[:-1], SCALE_BYTES)
+    return torch.cat((codes, scale_bytes), dim=-1)
+
+
+def decode(held: torch.Tensor) -> torch.Tensor:
+    """``[..., D + 2]`` int8 (from :func:`encode`) -> ``[..., D]`` float32."""
+    if held.dtype != torch.int8 or held.shape[-1] <= SCALE_BYTES:
+        raise ValueError(
+            f"int8 rows are int8 [..., D + {SCALE_BYTES}], got {held.dtype} {tuple(held.shape)}"
+        )
+    d = held.shape[-1] - SCALE_BYTES
+    scale = held[..., d:].reshape(-1).view(torch.bfloat16).view(*held.shape[:-1], 1).float()
+    return held[..., :d].float() * scale
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as int8 rows hold it, in ``x``'s dtype and shape."""
+    return decode(encode(x)).to(x.dtype)

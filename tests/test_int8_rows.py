@@ -1,0 +1,75 @@
+"""int8 rows (the hot window's values): error within half a step of each row's largest entry,
+D + 2 bytes a row, rows that are not finite decode as NaN, wrong input refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kakeyaturbo.hf import int8_rows
+
+
+def rows(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 40, 64, generator=g)
+    # Rows of very different magnitudes, and one channel far larger than the rest (keys'
+    # outlier channels): the per-row step must follow each row.
+    x *= torch.logspace(-3, 3, 40)[:, None]
+    x[..., 7] *= 20
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_within_half_a_step(dtype):
+    x = rows().to(dtype)
+    held = int8_rows.encode(x)
+    assert held.dtype == torch.int8 and held.shape == (*x.shape[:-1], x.shape[-1] + 2)
+    got = int8_rows.decode(held)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    ref = x.float()
+    step = ref.abs().amax(-1, keepdim=True) / 127
+    err = (got - ref).abs()
+    # Half a step, and the bfloat16 scale (8 bits) may clip the largest entry by as much.
+    assert bool((err <= 0.51 * step).all())
+    assert float(err.max() / step.max()) > 0.3  # really 8 bits, not exact
+    assert torch.equal(int8_rows.round_trip(x), got.to(dtype))
+
+
+def test_rows_are_independent_and_slice_like_tensors():
+    x = rows(1)
+    held = int8_rows.encode(x)
+    # Slicing, concatenating and selecting rows of the held form decode to the same values.
+    parts = torch.cat([held[:, :, :10], held[:, :, 10:]], dim=2)
+    assert torch.equal(parts, held)
+    assert torch.equal(int8_rows.decode(held[1:, :, 5:9]), int8_rows.decode(held)[1:, :, 5:9])
+    assert torch.equal(int8_rows.encode(x[:, :, 3:4]), held[:, :, 3:4])
+
+
+def test_no_rows():
+    """An empty hot window (a cache's first update) is a tensor of no rows."""
+    held = int8_rows.encode(torch.ones(1, 3, 8, 64)[:, :, :0])
+    assert held.shape == (1, 3, 0, 66) and held.dtype == torch.int8
+    assert int8_rows.decode(held).shape == (1, 3, 0, 64)
+    got = int8_rows.decode(torch.cat([held, int8_rows.encode(torch.ones(1, 3, 2, 64))], dim=2))
+    torch.testing.assert_close(got, torch.ones(1, 3, 2, 64), rtol=0, atol=0.5 / 127)
+
+
+def test_zero_and_non_finite_rows():
+    x = rows(2)
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1, 5] = float("inf")
+    x[0, 0, 2, 9] = float("nan")
+    x[0, 0, 3, 1] = -float("inf")
+    got = int8_rows.decode(int8_rows.encode(x))
+    assert torch.equal(got[0, 0, 0], torch.zeros(64))
+    assert bool(got[0, 0, 1:4].isnan().all())  # visible, as an exact copy would be
+    assert bool(got[0, 0, 4:].isfinite().all()) and bool(got[1:].isfinite().all())
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(TypeError, match="floating"):
+        int8_rows.encode(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int8"):
+        int8_rows.decode(torch.ones(2, 66))
+    with pytest.raises(ValueError, match="int8"):
+        int8_rows.decode(torch.ones(2, 2, dtype=torch.int8))
