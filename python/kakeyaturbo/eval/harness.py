@@ -105,10 +105,10 @@ def compress_stream(
     if w:
         recent = x[:, :, t - w :]
         parts.append(int8_rows.round_trip(recent) if int8_window else keep(recent))
-    held: ByteCount = {"full_precision": full(s + w)} if s or w else {}
+    exact = s if int8_window else s + w
+    held: ByteCount = {"full_precision": full(exact)} if exact else {}
     if int8_window and w:
-        held = {"int8_window": h * w * (d + int8_rows.SCALE_BYTES)}
-        held.update({"full_precision": full(s)} if s else {})
+        held["int8_window"] = h * w * (d + int8_rows.SCALE_BYTES)
     for r in rows:
         _add(r, held)
     x_hat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
@@ -127,10 +127,8 @@ class CompressingCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.active and not _sliding(self, layer_idx):
-            exact_v = value_states
-            if self.method.options.window_values == "int8":
-                exact_v = int8_rows.round_trip(value_states)
-            hot_window.stash(layer_idx, key_states, exact_v)
+            int8_values = self.method.options.window_values == "int8"
+            hot_window.stash(layer_idx, key_states, value_states, int8_values)
             key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
             value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
             if self.rows is None:

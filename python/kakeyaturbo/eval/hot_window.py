@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kakeyaturbo.hf import int8_rows
 from kakeyaturbo.hf.cache import DEFAULT_RESIDUAL_LENGTH
 from kakeyaturbo.hf.coded_attention import mask_bias
 
@@ -43,12 +44,13 @@ _EXACT: ContextVar[dict[int, tuple[torch.Tensor, torch.Tensor]] | None] = Contex
 )
 
 
-def stash(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Hand ``layer``'s exact K/V (as the cache received them) to this forward's attention;
+def stash(layer: int, keys: torch.Tensor, values: torch.Tensor, int8_values: bool) -> None:
+    """Hand ``layer``'s exact K/V (as the cache received them; with ``int8_values`` the values
+    as ``KakeyaCache``'s default window holds them, int8 rows) to this forward's attention;
     nothing happens outside :func:`exact_window`."""
     held = _EXACT.get()
     if held is not None:
-        held[layer] = (keys, values)
+        held[layer] = (keys, int8_rows.round_trip(values) if int8_values else values)
 
 
 @contextmanager

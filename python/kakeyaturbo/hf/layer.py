@@ -218,17 +218,14 @@ class KakeyaLayer(CacheLayerMixin):
             return int8_rows.encode(v)
         return v.to(self._hot_float, copy=True)
 
-    def _hot_values(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """Hot values ``lo..hi`` ``[B, H, n, D]`` as attention reads them: in the hot dtype, or
-        decoded from int8 rows to float32."""
-        held = self._hot_v[:, :, lo:hi]
+    def _read_values(self, held: torch.Tensor) -> torch.Tensor:
+        """Values as the hot window holds them -> ``[..., D]`` as attention reads them: in the
+        hot dtype, or decoded from int8 rows to float32."""
         return int8_rows.decode(held) if self._ctx.int8_hot_values else held
 
-    def _as_held_values(self, v: torch.Tensor) -> torch.Tensor:
-        """``v`` rounded as the hot window holds it, in ``v``'s dtype."""
-        if self._ctx.int8_hot_values:
-            return int8_rows.round_trip(v)
-        return v.to(self._hot_float)
+    def _hot_values(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Hot values ``lo..hi`` ``[B, H, n, D]`` as attention reads them."""
+        return self._read_values(self._hot_v[:, :, lo:hi])
 
     def _keep_hot(self, lo: int, hi: int) -> None:
         """Keep hot tokens ``lo..hi`` only (copied: a view would keep the whole window)."""
@@ -278,7 +275,9 @@ class KakeyaLayer(CacheLayerMixin):
         if self._ctx.budget.limit and self._buffer_ready(start + q):
             # As the hot window holds them (rounded to the hot dtype, if one is set).
             self._buf_k[:, :, start : start + q] = key_states.to(self._hot_k.dtype)
-            self._buf_v[:, :, start : start + q] = self._as_held_values(value_states)
+            self._buf_v[:, :, start : start + q] = self._read_values(
+                self._held_values(value_states)
+            )
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
         elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
