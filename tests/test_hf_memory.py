@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, int8_rows
 from kakeyaturbo.pipeline import CodedBlock
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
@@ -326,3 +326,34 @@ def test_int8_hot_values_hold_rows_of_codes(model, ids):
     # On this small model's one token the codes move it by 1.7e-5, the int8 values by 7e-6
     # (SmolLM2 in-forward-hot: 1.8e-3 and 5e-5, docs/speed.md).
     assert kl(a, b) < kl(ref, a)
+
+
+def test_int8_hot_values_code_a_prompt_exact_and_a_waiting_window_from_its_rows(model):
+    """A prompt's blocks are coded from the values it brought (what the evaluation measures, and
+    what a cache holding exact values stores); a block flushed while generating is coded from the
+    window's int8 rows, the only copy of those values the cache kept."""
+    g = torch.Generator().manual_seed(3)
+    cfg = model.config
+    heads, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    k, v = (torch.randn(1, heads, 544, d, generator=g) for _ in range(2))
+    caches = [KakeyaCache(cfg, residual_length=32, int8_hot_values=f) for f in (False, True)]
+    for cache in caches:
+        cache.update(k[:, :, :300], v[:, :, :300], 0)  # the prompt: one block of 256 flushed
+        for i in range(300, 544):  # a token at a time: the window's oldest 256 flushed at 544
+            cache.update(k[:, :, i : i + 1], v[:, :, i : i + 1], 0)
+    exact, rows = (c.layers[0] for c in caches)
+    assert len(exact._blocks) == len(rows._blocks) == 2
+
+    def stored(values: CodedBlock):  # the streams' bytes and the token norms' codes
+        norms = None if values.norms is None else values.norms.codes.tolist()
+        return [e.to_bytes() for e in values.encs], norms
+
+    def coded(x, start):
+        (values,) = rows._ctx.pipeline.encode(x, 0, "v", None, rows._sink_mask(start, 256))
+        return stored(values)
+
+    (a0, a1), (b0, b1) = ([stored(blk.v) for blk in lay._blocks] for lay in (exact, rows))
+    assert a0 == b0 == coded(v[:, :, :256], 0)
+    waited = v[:, :, 256:512]
+    assert b1 == coded(int8_rows.round_trip(waited), 256)
+    assert a1 == coded(waited, 256) != b1

@@ -32,11 +32,10 @@ def _ids(tokenizer, eval_text) -> torch.Tensor:
 
 @torch.inference_mode()
 def _cache_blocks(model, ids, calibration=None):
-    # Exact hot values: by default the cache codes its values from the window's int8 rows
-    # (within half a step of these), which the evaluation does not round first.
-    cache = KakeyaCache.from_model(
-        model, residual_length=RESIDUAL, calibration=calibration, int8_hot_values=False
-    )
+    # The default cache: its window holds values as int8 rows, but a prompt's blocks are coded
+    # from the values the prompt brought, as the evaluation codes them.
+    cache = KakeyaCache.from_model(model, residual_length=RESIDUAL, calibration=calibration)
+    assert cache.int8_hot_values
     model(input_ids=ids, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
     return cache
 

@@ -9,8 +9,9 @@ Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
 New tokens land in the hot window. Whenever the hot window holds ``block_size`` tokens more than
 ``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
 (block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
-compresses in one pass. Blocks are coded by the model's :class:`~kakeyaturbo.pipeline.Pipeline`
-(the same round trip the evaluation measures). The first ``sink_tokens`` real tokens of each row
+compresses in one pass, from the values the prompt brought; tokens that waited in the window
+(blocks flushed while generating) are coded from what it held. Blocks are coded by the model's
+:class:`~kakeyaturbo.pipeline.Pipeline` (the same round trip the evaluation measures). The first ``sink_tokens`` real tokens of each row
 (attention sinks, found from the prefill's attention mask, so left padding is skipped) are held
 exact beside the streams; the pipeline codes their block's mean in their place and they are
 written over their decoded slots.
@@ -296,7 +297,7 @@ class KakeyaLayer(CacheLayerMixin):
 
         self._append_hot(key_states, value_states, positions)
         self._len += q
-        self._flush()
+        self._flush(value_states)
         return full_k, full_v
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
@@ -541,8 +542,9 @@ class KakeyaLayer(CacheLayerMixin):
         mask[rows.cpu(), (self._sink_idx[rows, slots] - start).cpu()] = True
         return mask
 
-    def _flush(self) -> None:
-        """Encode every whole block of hot tokens older than the residual window."""
+    def _flush(self, new_v: torch.Tensor) -> None:
+        """Encode every whole block of hot tokens older than the residual window (``new_v``: the
+        values of the forward that just appended its tokens)."""
         bs = self.block_size
         n = max(self._hot_k.shape[-2] - self.residual_length, 0) // bs
         if n == 0:
@@ -554,7 +556,7 @@ class KakeyaLayer(CacheLayerMixin):
         # Whole blocks of bs tokens only: the recipe's newest-token bits never apply here (the
         # newest residual_length tokens are held exact instead).
         enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
-        enc_v = pipe.encode(self._hot_values(0, t), li, "v", None, sinks)
+        enc_v = pipe.encode(self._flushed_values(t, new_v), li, "v", None, sinks)
         self._held = None
         for j in range(n):
             blk = _Block.holding(
@@ -570,6 +572,20 @@ class KakeyaLayer(CacheLayerMixin):
         coded = t * self._rows * self._heads * per_row
         self._keep_hot(t, k.shape[-2])
         heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
+
+    def _flushed_values(self, t: int, new_v: torch.Tensor) -> torch.Tensor:
+        """Values of the oldest ``t`` hot tokens, as they are coded. A forward's own tokens are
+        coded from the values it brought (in the hot dtype), not from their int8 rows, so a
+        prompt's blocks are the ones the evaluation measures (it codes a prefix's values exact);
+        tokens that waited in the window (the blocks flushed while generating) exist only as
+        their int8 rows and are coded from them."""
+        first_new = self._hot_v.shape[-2] - new_v.shape[-2]
+        if not self._ctx.int8_hot_values or first_new >= t:
+            return self._hot_values(0, t)
+        exact = new_v[:, :, : t - first_new].to(self._hot_float)
+        if first_new == 0:
+            return exact
+        return torch.cat([self._hot_values(0, first_new), exact.float()], dim=-2)
 
     def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode ``blocks`` (one batched call per K/V) -> [B, H, n*bs, D] in the model dtype;
