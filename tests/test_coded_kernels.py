@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kakeyaturbo as kt
-from kakeyaturbo.codec import coded_attend, coded_key_logits, coded_value_sums
+from kakeyaturbo.codec import coded_attend, coded_key_logits, coded_value_sums, decode_norm_codes
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.norm_codes import decode_norms, encode_norms
 
@@ -138,6 +138,31 @@ def norm_code_arrays(norms: torch.Tensor):
         t0 += n
     codes = ([p.arrays()[0] for p in parts], [p.arrays()[1] for p in parts])
     return codes, decode_norms(parts)[0]
+
+
+def test_norm_codes_decode_as_torch_decodes_them_and_hostile_ones_are_refused():
+    """The codec's decoder of one-byte token norms (blocks coded across heads read their
+    per-head norms through it) gives torch's decode_norms, zeros included, over blocks of
+    unequal length; lengths that do not split into the streams (ValueError) and bounds that
+    are not positive finite float16 (FormatError) are refused."""
+    g = torch.Generator().manual_seed(5)
+    s = 6
+    norms = torch.rand(s, sum(LENS), generator=g) * 5 + 0.05
+    norms[2, 3] = 0.0  # an exact zero keeps code 0
+    (codes, bounds), want = norm_code_arrays(norms)
+    got = torch.from_numpy(decode_norm_codes((codes, bounds), s))
+    assert got.shape == (s, sum(LENS)) and got[2, 3] == 0
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)  # exp2 in Rust and torch
+    with pytest.raises(ValueError, match="split into 7 streams"):
+        decode_norm_codes((codes, bounds), 7)
+    bad = [b.copy() for b in bounds]
+    bad[1][0, 0] = np.float16("inf")
+    with pytest.raises(kt.FormatError, match="positive finite"):
+        decode_norm_codes((codes, bad), s)
+    with pytest.raises(ValueError, match="bounds"):
+        decode_norm_codes((codes, [b[:-1] for b in bounds]), s)
+    with pytest.raises(TypeError, match="norms"):
+        decode_norm_codes(np.ones((s, 4), np.float32), s)
 
 
 @pytest.mark.parametrize("softcap", [None, 20.0])

@@ -182,7 +182,8 @@ def test_coded_attention_across_heads_matches_decoding(
     recipe = recipe.replace(k_token_norms=key_norms, joint_heads=joint)
     ids, mask = padded_batch(model.config.vocab_size)
     kw = {"recipe": recipe, "calibration": joint_calibration, "residual_length": 64}
-    cache = compare(model, ids, mask, 600, attend_calls, 1e-4, **kw)
+    # The window's int8 values: the tolerance of test_coded_attention_matches_decoding.
+    cache = compare(model, ids, mask, 600, attend_calls, 5e-4, **kw)
     heads = model.config.num_key_value_heads
     for blk in cache.layers[0]._blocks:  # one stream per row across heads, else per head
         assert len(blk.k.encs) == (2 if "k" in joint else 2 * heads)

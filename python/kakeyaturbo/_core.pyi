@@ -8,7 +8,7 @@ import numpy.typing as npt
 __all__ = [
     "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
     "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
-    "coded_value_sums", "coded_attend", "decode_batch",
+    "coded_value_sums", "coded_attend", "decode_batch", "decode_norm_codes",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
     "share_torch_threads", "stage_errors", "wht_rotate",
 ]
@@ -187,6 +187,7 @@ def coded_attend(
     bias: Optional[npt.NDArray[np.float32]] = None,
     softcap: Optional[float] = None,
 ) -> npt.NDArray[np.float32]: ...
+def decode_norm_codes(norms: _Norms, streams: int) -> npt.NDArray[np.float32]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...
 def fit_codebook(samples: npt.NDArray[Any], bits: int, iters: int = 100) -> list[float]: ...
 def wht_rotate(x: Sequence[float], seed: int, inverse: bool = False) -> list[float]: ...

@@ -284,6 +284,15 @@ def coded_value_sums(
     return _core.coded_value_sums(_raws(encs), streams, weights, norms)
 
 
+def decode_norm_codes(
+    norms: tuple[Sequence[np.ndarray], Sequence[np.ndarray]], streams: int
+) -> np.ndarray:
+    """Token norms ``[streams, tokens]`` float32 of consecutive blocks from their one-byte
+    codes: ``norms`` is ``(codes, bounds)``, per block uint8 ``[streams, block tokens]`` and
+    float16 ``[streams, 2]`` (``norm_codes.py``'s format, decoded as the kernels decode it)."""
+    return _core.decode_norm_codes(norms, streams)
+
+
 def coded_attend(
     key_encs: Sequence[EncodedLayer],
     value_encs: Sequence[EncodedLayer],

@@ -274,7 +274,8 @@ class CodedView:
                 (),
                 lambda: self._joint_order(h, d),
             )
-            frame, wide = frame[:, order], wide[..., order]
+            # index_select: a quarter of advanced indexing's time on these small matrices
+            frame, wide = frame.index_select(-1, order), wide.index_select(-1, order)
             rotation = self._shared(
                 ("joint rotation", h, self.held.positions),
                 (lay._rope.inv_freq,),
@@ -328,7 +329,7 @@ class CodedView:
             return frame, tensors
         heads = tensors[0].shape[1]
         frame = torch.eye(d).expand(heads, d, d) if frame is None else frame
-        return frame[..., order], tuple(t[..., order] for t in tensors)
+        return frame.index_select(-1, order), tuple(t.index_select(-1, order) for t in tensors)
 
     def _torch_logits(self, q: torch.Tensor, kb: DeviceBlocks, dev) -> torch.Tensor:
         """:meth:`_codec_logits` on another device: the blocks held there decoded to frame

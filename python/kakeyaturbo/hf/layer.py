@@ -11,10 +11,10 @@ New tokens land in the hot window. Whenever the hot window holds ``block_size`` 
 (block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
 compresses in one pass, from the values the prompt brought; tokens that waited in the window
 (blocks flushed while generating) are coded from what it held. Blocks are coded by the model's
-:class:`~kakeyaturbo.pipeline.Pipeline` (the same round trip the evaluation measures). The first ``sink_tokens`` real tokens of each row
-(attention sinks, found from the prefill's attention mask, so left padding is skipped) are held
-exact beside the streams; the pipeline codes their block's mean in their place and they are
-written over their decoded slots.
+:class:`~kakeyaturbo.pipeline.Pipeline` (the same round trip the evaluation measures). The
+first ``sink_tokens`` real tokens of each row (attention sinks, found from the prefill's
+attention mask, so left padding is skipped) are held exact beside the streams; the pipeline
+codes their block's mean in their place and they are written over their decoded slots.
 
 Attention over the codes (the default with ``KakeyaCache.from_model`` on an sdpa model): the model
 attends through the "kakeya" attention, and ``update`` returns only the new tokens and hands the

@@ -326,3 +326,27 @@ pub fn coded_attend<'py>(
     let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;
     output(py, out, [streams, rows, d])
 }
+
+/// Token norms `[streams, tokens]` float32 of consecutive blocks from their one-byte codes:
+/// `norms` is `(codes, bounds)`, per block its uint8 codes `[streams, block tokens]` and
+/// float16 bounds `[streams, 2]`, as the kernels take them. Blocks coded across heads keep a
+/// norm per head, which attention over their codes applies itself.
+#[pyfunction]
+pub fn decode_norm_codes<'py>(
+    py: Python<'py>,
+    norms: &Bound<'py, PyAny>,
+    streams: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let NormsIn::Codes(pairs) = NormsIn::extract(norms, "norms")? else {
+        return Err(type_error("norms", "expected (codes, bounds) lists"));
+    };
+    let blocks = pairs
+        .iter()
+        .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
+        .collect::<PyResult<Vec<_>>>()?;
+    let out = core::decode_norm_codes(&blocks, streams).map_err(to_py)?;
+    let tokens = out.len() / streams.max(1);
+    Ok(PyArray1::from_vec(py, out)
+        .reshape([streams, tokens])?
+        .into_any())
+}

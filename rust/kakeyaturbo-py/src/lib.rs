@@ -29,6 +29,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::coded_key_logits, m)?)?;
     m.add_function(wrap_pyfunction!(attention::coded_value_sums, m)?)?;
     m.add_function(wrap_pyfunction!(attention::coded_attend, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::decode_norm_codes, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;

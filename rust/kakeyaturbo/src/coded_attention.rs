@@ -32,7 +32,7 @@ mod attend;
 mod norms;
 
 pub use attend::{attend, Attend, ExactPiece, Lanes};
-pub use norms::Norms;
+pub use norms::{decode_codes as decode_norm_codes, Norms};
 
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
 const MIN_NORM: f32 = 1e-12;

@@ -68,23 +68,54 @@ impl Norms<'_> {
             Norms::Values(v) => Ok(Cow::Borrowed(&v[s * coded.tokens() + t0..][..n])),
             Norms::Codes(blocks) => {
                 let (codes, bounds) = blocks[b];
-                let (lo, hi) = (
-                    bounds[2 * s].to_f32().log2(),
-                    bounds[2 * s + 1].to_f32().log2(),
-                );
-                let step = (hi - lo) / STEPS;
-                let norms = codes[s * n..][..n]
-                    .iter()
-                    .map(|&c| {
-                        if c == 0 {
-                            0.0
-                        } else {
-                            ((c as f32 - 1.0) * step + lo).exp2()
-                        }
-                    })
-                    .collect();
+                let mut norms = Vec::with_capacity(n);
+                decode_stream(&codes[s * n..][..n], &bounds[2 * s..][..2], &mut norms);
                 Ok(Cow::Owned(norms))
             }
         }
     }
+}
+
+/// Appends to `out` the norms of one stream's block: its codes and its two bounds.
+fn decode_stream(codes: &[u8], bounds: &[f16], out: &mut Vec<f32>) {
+    let (lo, hi) = (bounds[0].to_f32().log2(), bounds[1].to_f32().log2());
+    let step = (hi - lo) / STEPS;
+    out.extend(codes.iter().map(|&c| {
+        if c == 0 {
+            0.0
+        } else {
+            ((c as f32 - 1.0) * step + lo).exp2()
+        }
+    }));
+}
+
+/// The norms `[streams, tokens]` of consecutive blocks given as their codes `[streams, block
+/// tokens]` and float16 bounds `[streams, 2]` (the blocks' tokens side by side per stream).
+/// Hostile input is refused: lengths that do not split into `streams` rows, bounds that are
+/// not positive finite float16.
+pub fn decode_codes(blocks: &[(&[u8], &[f16])], streams: usize) -> Result<Vec<f32>> {
+    let mut lens = Vec::with_capacity(blocks.len());
+    for (b, (codes, bounds)) in blocks.iter().enumerate() {
+        let what = format!("norm codes of block {b}");
+        if streams == 0 || codes.len() % streams != 0 {
+            return Err(Error::Shape(format!(
+                "{what}: {} codes do not split into {streams} streams",
+                codes.len()
+            )));
+        }
+        super::check_len(&what, bounds.len(), &[streams, 2], "streams x 2 bounds")?;
+        if let Some(v) = bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
+            return Err(Error::Format(format!(
+                "{what}: bound {v} is not a positive finite float16"
+            )));
+        }
+        lens.push(codes.len() / streams);
+    }
+    let mut out = Vec::with_capacity(streams * lens.iter().sum::<usize>());
+    for s in 0..streams {
+        for ((codes, bounds), &n) in blocks.iter().zip(&lens) {
+            decode_stream(&codes[s * n..][..n], &bounds[2 * s..][..2], &mut out);
+        }
+    }
+    Ok(out)
 }
