@@ -356,18 +356,19 @@ fn times_frame<const FMA: bool>(y: &[f32], m: &[f32], out: &mut [f32]) {
 /// components, up to 0.6 in some layers); such a coordinate is the same for every token of
 /// the block, so its share of `y_t M` is one vector for the whole block, and the per-token
 /// product runs over the varying rows only.
-struct BlockFrame {
+struct BlockFrame<'m> {
     /// Indices of the varying coordinates.
     varying: Vec<usize>,
-    /// Their rows of `M`, packed: `varying.len() x d`.
-    rows: Vec<f32>,
+    /// `M` (`d x d`), whose varying rows the product reads in place: packing them per block
+    /// copied 130 KB per block and step for a frame across three heads.
+    m: &'m [f32],
     /// `sum` over the fixed coordinates `j` of `y_j M[j]`.
     fixed: Vec<f32>,
 }
 
-impl BlockFrame {
+impl<'m> BlockFrame<'m> {
     #[inline(always)]
-    fn new<const FMA: bool>(y: &[f32], d: usize, m: &[f32]) -> Self {
+    fn new<const FMA: bool>(y: &[f32], d: usize, m: &'m [f32]) -> Self {
         let first = &y[..d];
         let mut varies = vec![false; d];
         for yt in y.chunks_exact(d).skip(1) {
@@ -377,19 +378,11 @@ impl BlockFrame {
             }
         }
         let varying: Vec<usize> = (0..d).filter(|&j| varies[j]).collect();
-        let mut rows = Vec::with_capacity(varying.len() * d);
-        for &j in &varying {
-            rows.extend_from_slice(&m[j * d..][..d]);
-        }
         let mut fixed = vec![0.0f32; d];
         for j in (0..d).filter(|&j| !varies[j] && first[j] != 0.0) {
             axpy::<FMA>(first[j], &m[j * d..][..d], &mut fixed);
         }
-        Self {
-            varying,
-            rows,
-            fixed,
-        }
+        Self { varying, m, fixed }
     }
 
     /// `out[t] = y_t M` for every token of the block (`y` and `out` are `n x d`), in tiles of
@@ -432,7 +425,7 @@ impl BlockFrame {
                 #[allow(unsafe_code)]
                 // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`);
                 // `ys` and `out` are `R x d` and `col + 16 <= d`; `varying` holds coordinates
-                // below `d` and `rows` one row of `d` for each (`BlockFrame::new`).
+                // below `d` and `m` is `d x d` (`BlockFrame::new`).
                 unsafe {
                     columns_6x16_avx_fma(self, ys, col, out)
                 };
@@ -465,8 +458,8 @@ impl BlockFrame {
         for a in &mut acc {
             a.copy_from_slice(&self.fixed[col..col + W]);
         }
-        for (&j, row) in self.varying.iter().zip(self.rows.chunks_exact(d)) {
-            let row = &row[col..col + W];
+        for &j in &self.varying {
+            let row = &self.m[j * d + col..][..W];
             for (r, a) in acc.iter_mut().enumerate() {
                 let p = ys[r * d + j];
                 for c in 0..W {
@@ -490,22 +483,22 @@ const AVX_TILE_TOKENS: usize = 6;
 ///
 /// # Safety
 /// The CPU has AVX and FMA and every `frame.varying` is below `d` (`BlockFrame::new`); the
-/// other bounds (`6 d` values in `ys` and `out`, `col + 16 <= d`, `varying.len() x d` in
-/// `rows`) are asserted.
+/// other bounds (`6 d` values in `ys` and `out`, `col + 16 <= d`, `d x d` in `m`) are
+/// asserted.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,fma")]
 #[allow(unsafe_code)]
 unsafe fn columns_6x16_avx_fma(frame: &BlockFrame, ys: &[f32], col: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = frame.fixed.len();
-    assert!(ys.len() >= 6 * d && out.len() >= 6 * d && frame.rows.len() >= frame.varying.len() * d);
+    assert!(ys.len() >= 6 * d && out.len() >= 6 * d && frame.m.len() >= d * d && col + 16 <= d);
     let fixed = &frame.fixed[col..col + 16];
     let (f0, f1) = unsafe { (_mm256_loadu_ps(&fixed[0]), _mm256_loadu_ps(&fixed[8])) };
     let mut acc = [[f0, f1]; AVX_TILE_TOKENS];
-    let (y, rows) = (ys.as_ptr(), frame.rows.as_ptr());
-    for (i, &j) in frame.varying.iter().enumerate() {
-        // SAFETY (every load): the caller's bounds on `ys`, `rows`, `varying` and `col`.
-        let row = unsafe { rows.add(i * d + col) };
+    let (y, m) = (ys.as_ptr(), frame.m.as_ptr());
+    for &j in &frame.varying {
+        // SAFETY (every load): the caller's bounds on `ys`, `m`, `varying` and `col`.
+        let row = unsafe { m.add(j * d + col) };
         let (m0, m1) = unsafe { (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))) };
         for (r, a) in acc.iter_mut().enumerate() {
             let p = unsafe { _mm256_broadcast_ss(&*y.add(r * d + j)) };
