@@ -1,0 +1,128 @@
+"""Where a decode step of the default KakeyaCache goes, beside DynamicCache's, in one process.
+
+    .venv/bin/python benches/decode_step_parts.py \\
+        --model ../shared/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --context 4096 --calibration artifacts/calib-smollm2-joint-both
+
+Each repetition prefills a fresh DynamicCache and a fresh KakeyaCache (hot window's keys in
+bfloat16, as ``benches/hf_generate.py --hot-dtype bfloat16`` measures), then times ``--steps``
+single-token forwards of each, with timers around the model's attention function and around
+the parts of the cache's path named in ``PARTS`` (a part's time includes the parts it calls:
+``_joint_logits`` includes ``key_logits``). Prints milliseconds per step; ``vs dyn`` is
+DynamicCache's step over the cache's within the repetition (only ratios in one run mean
+anything on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
+from kakeyaturbo.hf.coded_attention import CodedView
+from kakeyaturbo.hf.layer import KakeyaLayer
+from kakeyaturbo.modeling import load_model, read_text, tokenize_text
+from kakeyaturbo.pipeline import Pipeline
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
+
+# (class, methods) timed: the codec's kernels and the Python around them.
+PARTS = (
+    (Pipeline, ("key_logits", "value_sums", "attend", "joint_scales")),
+    (CodedView, ("attend", "_joint_logits", "_joint_value_sums", "_codec_logits")),
+    (KakeyaLayer, ("update", "_append_hot", "_flush")),
+)
+
+
+@contextmanager
+def timers(seconds: dict):
+    """Wraps the methods of ``PARTS`` and the models' attention functions so each adds its
+    time to ``seconds[name]`` (restored on exit)."""
+    saved = []
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    for cls, names in PARTS:
+        for n in names:
+            saved.append((cls, n, cls.__dict__[n]))
+            setattr(cls, n, wrap(f"{cls.__name__}.{n}", cls.__dict__[n]))
+    attention = {n: ALL_ATTENTION_FUNCTIONS[n] for n in ("sdpa", KAKEYA_ATTENTION)}
+    for n, fn in attention.items():
+        ALL_ATTENTION_FUNCTIONS[n] = wrap(f"attention ({n})", fn)
+    try:
+        yield
+    finally:
+        for cls, n, fn in saved:
+            setattr(cls, n, fn)
+        for n, fn in attention.items():
+            ALL_ATTENTION_FUNCTIONS[n] = fn
+
+
+@torch.inference_mode()
+def time_steps(model, ids, ctx: int, steps: int, cache) -> tuple[float, dict]:
+    """Prefill ``ctx`` tokens into ``cache``, two untimed steps, then ``steps`` timed ones:
+    (ms per step, ms per step of each part)."""
+    model(ids[:, :ctx], **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+    for i in range(ctx, ctx + 2):
+        model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
+    seconds: dict = {}
+    with timers(seconds):
+        start = time.perf_counter()
+        for i in range(ctx + 2, ctx + 2 + steps):
+            model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
+        total = time.perf_counter() - start
+    return total / steps * 1e3, {k: v / steps * 1e3 for k, v in seconds.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--calibration", default=None, help="a bundle (default: none)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    need = args.context + 2 + args.steps
+    ids = tokenize_text(tok, read_text(args.text))[:need][None]
+    print(
+        f"model {args.model}, context {args.context}, torch threads {args.threads}, "
+        f"bundle {args.calibration}, {args.steps} steps per repetition"
+    )
+    for rep in range(args.reps):
+        dyn, dyn_parts = time_steps(
+            model, ids, args.context, args.steps, DynamicCache(config=model.config)
+        )
+        cache = KakeyaCache.from_model(
+            model, calibration=args.calibration, hot_dtype=torch.bfloat16
+        )
+        step, parts = time_steps(model, ids, args.context, args.steps, cache)
+        print(
+            f"rep {rep}: DynamicCache step {dyn:.1f} ms (attention {sum(dyn_parts.values()):.1f}); "
+            f"KakeyaCache step {step:.1f} ms, vs dyn {dyn / step:.2f}x"
+        )
+        for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"    {name:32s} {ms:7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
