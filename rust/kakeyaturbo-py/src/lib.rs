@@ -63,6 +63,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "coded_value_sums",
             "decode_batch",
             "decode_layer",
+            "decode_norm_codes",
             "encode_batch",
             "encode_layer",
             "fit_codebook",
