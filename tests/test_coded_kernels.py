@@ -277,6 +277,15 @@ def test_whole_attention_refuses_bad_inputs_by_name():
         call(value_norms=(codes, hostile))
     with pytest.raises(ValueError, match="value_encs: .*equal blocks"):
         coded_attend(encs, encs[:-1] + encs[:1], s, q, ex, ex, 1.0)
+    # Streams across heads: each row's own-head query is needed, and the heads must split
+    # the stream's coordinates and its query rows.
+    with pytest.raises(TypeError, match="exact_queries"):
+        call(heads=2)
+    with pytest.raises(ValueError, match="heads"):
+        call(heads=0)
+    half = np.zeros((s, G, D // 2), np.float32)
+    with pytest.raises(ValueError, match=f"{G} query rows per stream do not split over 2"):
+        call(heads=2, exact_queries=half)
 
 
 @pytest.mark.parametrize("torch_threads", [1, 2])

@@ -165,17 +165,21 @@ def joint_calibration(model, model_dir, calib_text):
     [("kv", False), ("kv", True), ("k", False), ("v", False)],
     ids=["default", "key-norms", "keys-only", "values-only"],
 )
-@pytest.mark.parametrize("path", ["kernels", "torch"])
+@pytest.mark.parametrize("path", ["kernels", "kernel-sums", "torch"])
 def test_coded_attention_across_heads_matches_decoding(
     model, attend_calls, joint_calibration, monkeypatch, path, joint, key_norms
 ):
     """Blocks coded across heads (one stream of H*D per row, per-head scales): the virtual
     wide head of the kernels (RoPE pairs regrouped, zero-padded queries, scales folded into
-    the weights) or the decoded keys and values off the CPU, against decoding every block;
-    one stream across heads beside the other per head, too."""
+    the weights; the whole attention in one call for a decode step's rows when both streams
+    are coded across heads, each head's exact part and value frame in it), the kernels'
+    sums around a torch softmax, or the decoded keys and values off the CPU, against decoding
+    every block; one stream across heads beside the other per head, too."""
     import kakeyaturbo.hf.coded_attention as coded_attention
 
-    monkeypatch.setattr(coded_attention, "CPU_KERNELS", path == "kernels")
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", path != "torch")
+    if path == "kernel-sums":
+        monkeypatch.setattr(coded_attention, "WHOLE_ATTENTION_ROWS", 0)
     calls = kernel_calls(monkeypatch)
     recipe = default_recipe(joint_calibration, block_size=64)
     assert recipe.joint_heads == "kv"
@@ -188,7 +192,11 @@ def test_coded_attention_across_heads_matches_decoding(
     for blk in cache.layers[0]._blocks:  # one stream per row across heads, else per head
         assert len(blk.k.encs) == (2 if "k" in joint else 2 * heads)
         assert len(blk.v.encs) == (2 if "v" in joint else 2 * heads)
-    assert set(calls) == ({"key_logits", "value_sums"} if path == "kernels" else set())
+    sums = {"key_logits", "value_sums"}
+    if path == "kernels" and joint == "kv":  # the whole attention: at least in decode steps
+        assert "attend" in calls and set(calls) <= sums | {"attend"}
+    else:
+        assert set(calls) == (set() if path == "torch" else sums)
 
 
 def test_generate_is_unchanged(model):

@@ -137,6 +137,14 @@ def test_frames_across_heads_are_derived_once_per_bundle(joint_bundle):
     a, b = Pipeline(default_recipe(calib), calib), Pipeline(default_recipe(calib), calib)
     assert a.joint_frame(1, "k") is b.joint_frame(1, "k") is a.fresh().joint_frame(1, "k")
     assert a.joint_frame(1, "v") is not a.joint_frame(1, "k")
+    # Its columns in attention's RoPE layout, and each head's slice of the value frame, too.
+    whole = a.joint_frame(1, "k")
+    flipped = ("flipped", torch.arange(whole.shape[1]).flip(0))
+    assert a.joint_frame(1, "k", flipped) is b.joint_frame(1, "k", flipped)
+    assert torch.equal(a.joint_frame(1, "k", flipped), whole.flip(1))
+    heads = a.joint_head_frames(1, "v")
+    assert heads is b.joint_head_frames(1, "v") and heads.is_contiguous()
+    assert torch.equal(torch.cat(list(heads), dim=1), a.joint_frame(1, "v"))
     # So are the bundle's matrices copied to the device a model runs on.
     m = a._transforms.matrix(1, "k", "inv")
     meta = torch.device("meta")

@@ -186,6 +186,10 @@ def coded_attend(
     value_norms: Optional[_Norms] = None,
     bias: Optional[npt.NDArray[np.float32]] = None,
     softcap: Optional[float] = None,
+    heads: int = 1,
+    exact_queries: Optional[npt.NDArray[np.float32]] = None,
+    key_scales: Optional[npt.NDArray[np.float32]] = None,
+    value_scales: Optional[npt.NDArray[np.float32]] = None,
 ) -> npt.NDArray[np.float32]: ...
 def decode_norm_codes(norms: _Norms, streams: int) -> npt.NDArray[np.float32]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...

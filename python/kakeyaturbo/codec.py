@@ -309,6 +309,10 @@ def coded_attend(
     value_norms: Any = None,
     bias: Optional[np.ndarray] = None,
     softcap: Optional[float] = None,
+    heads: int = 1,
+    exact_queries: Optional[np.ndarray] = None,
+    key_scales: Optional[np.ndarray] = None,
+    value_scales: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
@@ -321,7 +325,15 @@ def coded_attend(
     norms as float32 ``[streams, tokens]`` or ``(codes, bounds)``, lists of per-block uint8
     ``[streams, block tokens]`` and float16 ``[streams, 2]`` arrays (``NormCodes.arrays``). A
     row with every token masked gets zeros. For the few query rows of a decode step: the
-    exact part is plain dots. float32, C-contiguous."""
+    exact part is plain dots. float32, C-contiguous.
+
+    Streams coded across ``heads`` KV heads (``heads`` > 1, a recipe's ``joint_heads``):
+    ``queries`` are the wide queries ``[streams, rows, heads * head_dim]`` in the key frame's
+    coordinates, their rows in ``heads`` equal groups, one per head; ``exact_queries``
+    ``[streams, rows, head_dim]`` each row over its own head's channels, in the exact keys'
+    order; the exact runs ``[streams * heads, exact, head_dim]``; ``value_frames`` ``[heads,
+    heads * head_dim, head_dim]``; ``key_scales`` / ``value_scales`` ``[streams, heads,
+    tokens]`` each head's scale of the coded keys and values (None: 1)."""
     return _core.coded_attend(
         _raws(key_encs),
         _raws(value_encs),
@@ -337,4 +349,8 @@ def coded_attend(
         value_norms=value_norms,
         bias=bias,
         softcap=softcap,
+        heads=heads,
+        exact_queries=exact_queries,
+        key_scales=key_scales,
+        value_scales=value_scales,
     )

@@ -311,16 +311,34 @@ class Pipeline:
         codes = ([c for c, _ in arrays], [b for _, b in arrays])
         return torch.from_numpy(_codec.decode_norm_codes(codes, rows * heads)).view(rows, heads, -1)
 
-    def joint_frame(self, layer: int, stream: str) -> torch.Tensor:
+    def joint_frame(
+        self, layer: int, stream: str, order: Optional[tuple[Any, torch.Tensor]] = None
+    ) -> torch.Tensor:
         """``[H*D, H*D]`` float32 ``M``: the coordinates ``y`` of blocks coded across heads go
         to the heads' ``x`` side by side (pre-RoPE keys, values) as ``y @ M`` (before each
-        head's scale, for streams with token norms)."""
+        head's scale, for streams with token norms). ``order``: ``(name, columns)``, ``M``'s
+        columns in that order (attention's RoPE layout), made once per name too."""
         # Bundle data: made once per bundle, held by it and shared by every cache and sequence
         # (a cache holding its own would hold 8.8 MB more on SmolLM2).
         derived, key = self.calibration.derived, ("joint frame", layer, stream)
         if key not in derived:
             inv = self._transforms.matrix(layer, stream, "inv")  # type: ignore[union-attr]
             derived[key] = self._joint(layer, stream).T @ torch.block_diag(*inv)
+        if order is None:
+            return derived[key]
+        name, columns = order
+        if (key, name) not in derived:
+            derived[(key, name)] = derived[key].index_select(-1, columns)
+        return derived[(key, name)]
+
+    def joint_head_frames(self, layer: int, stream: str) -> torch.Tensor:
+        """:meth:`joint_frame` split by head, ``[H, H*D, D]``: head ``h``'s ``x`` is ``y @
+        frames[h]`` (contiguous, as the codec's kernels read it; bundle data, made once)."""
+        derived, key = self.calibration.derived, ("joint head frames", layer, stream)
+        if key not in derived:
+            frame = self.joint_frame(layer, stream)
+            heads = len(self._transforms.matrix(layer, stream, "inv"))  # type: ignore[union-attr]
+            derived[key] = frame.view(frame.shape[0], heads, -1).transpose(0, 1).contiguous()
         return derived[key]
 
     def decode_frame(self, blocks: list[CodedBlock], stream: str, rows: int) -> torch.Tensor:
@@ -403,6 +421,10 @@ class Pipeline:
         value_frames: Optional[torch.Tensor] = None,
         bias: Optional[torch.Tensor] = None,
         softcap: Optional[float] = None,
+        heads: int = 1,
+        exact_queries: Optional[torch.Tensor] = None,
+        key_scales: Optional[torch.Tensor] = None,
+        value_scales: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
         keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
@@ -412,19 +434,30 @@ class Pipeline:
         order, and a bfloat16 run is read as held, with no float32 copy).
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
-        few query rows of a decode step. CPU float32."""
+        few query rows of a decode step. CPU float32.
+
+        Blocks coded across ``heads`` KV heads (one stream of ``heads * D`` coordinates per
+        row): ``queries`` ``[rows, 1, G, heads * D]`` are the wide queries in the key frame's
+        coordinates, ``G`` rows in ``heads`` equal groups, one per head; ``exact_queries``
+        ``[rows, heads, G / heads, D]`` each row over its own head's channels, in the exact
+        keys' order; ``exact`` runs ``[rows, heads, n_i, D]``; ``value_frames`` ``[heads,
+        heads * D, D]`` (:meth:`joint_head_frames`); ``key_scales`` / ``value_scales``
+        ``[rows, heads, T]`` (:meth:`joint_scales`). The output is then ``[rows, 1, G, D]``."""
         kr, vr = self.run_of(kv_blocks[0], "k"), self.run_of(kv_blocks[1], "v")
         (ek, ev), streams = exact, kr.streams
-        h, g, d = queries.shape[1], queries.shape[2], queries.shape[3]
+        h, g, w = queries.shape[1], queries.shape[2], queries.shape[3]
+        d = w // heads
         if bias is not None:
             bias = bias.reshape(-1, g, bias.shape[-1])
+        if exact_queries is not None:
+            exact_queries = exact_queries.reshape(streams, g, d)
         out = _codec.coded_attend(
             kr.layers,
             vr.layers,
             streams,
-            _np(queries.reshape(streams, g, d)),
-            _runs_np(ek, streams, d),
-            _runs_np(ev, streams, d),
+            _np(queries.reshape(streams, g, w)),
+            _runs_np(ek, streams * heads, d),
+            _runs_np(ev, streams * heads, d),
             scaling,
             key_frames=_np_or_none(key_frames),
             rotation=_np_or_none(rotation),
@@ -433,6 +466,10 @@ class Pipeline:
             value_norms=vr.norms,
             bias=_np_or_none(bias),
             softcap=softcap,
+            heads=heads,
+            exact_queries=_np_or_none(exact_queries),
+            key_scales=_np_or_none(key_scales),
+            value_scales=_np_or_none(value_scales),
         )
         return torch.from_numpy(out).view(rows, h, g, d)
 

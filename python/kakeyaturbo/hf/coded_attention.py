@@ -22,7 +22,9 @@ computes one softmax over the coded and the exact tokens:
   each query head's query is zero outside its own head's channels; the value sums run over the
   joint coordinates with each head's stored scale folded into its weights, and each head's
   slice of the joint frame turns them out. Three times the key frame product of per-head
-  frames on a 3-head layer: the cost of the better coding (``docs/speed.md``).
+  frames on a 3-head layer: the cost of the better coding (``docs/speed.md``). A decode step's
+  whole attention over them is one codec call too, each head's query rows reading their own
+  head's scales, exact tokens and slice of the value frame in it.
 
 On the CPU the codec computes both sums itself (``Pipeline.key_logits`` / ``value_sums``, the
 Rust ``coded_attention`` kernels; for a decode step's few query rows the whole attention,
@@ -162,7 +164,7 @@ class CodedView:
 
         kernels = CPU_KERNELS and dev.type == "cpu"
         joint_k, joint_v = pipe.recipe.joint("k"), pipe.recipe.joint("v")
-        if kernels and g * tq <= WHOLE_ATTENTION_ROWS and not (joint_k or joint_v):
+        if kernels and g * tq <= WHOLE_ATTENTION_ROWS and joint_k == joint_v:
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
@@ -211,10 +213,16 @@ class CodedView:
     ) -> torch.Tensor:
         """The whole attention ``[B, H, g*Tq, D]`` by the codec (``Pipeline.attend``) over the
         blocks and the exact runs ``exact`` (keys, values: lists of ``[B, H, n, D]``, as
-        held): the CPU path for few query rows."""
+        held): the CPU path for few query rows (blocks coded across heads: ``[B, 1, H*g*Tq,
+        D]``, :meth:`_joint_attend`)."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         (keys, values), (b, h, rows, _) = exact, q.shape
+        n_exact = sum(k.shape[-2] for k in keys)
+        joint = pipe.recipe.joint("k")
+        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, q.device, joint)
+        if joint:
+            return self._joint_attend(q, exact, bias, scaling, softcap)
         frame = pipe.frame_inverse(li, "k")
         rotation = None
         if lay._rope is not None:  # the exact keys follow the query into the paired order
@@ -222,8 +230,6 @@ class CodedView:
             rotation = self._rotation("split")
         # (Keys coded post-RoPE go through the frame per token here: the exact keys are
         # scored by the same query, which the frame cannot be folded into for them.)
-        n_exact = sum(k.shape[-2] for k in keys)
-        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, q.device)
         return pipe.attend(
             (self.held.keys, self.held.values),
             b,
@@ -235,6 +241,34 @@ class CodedView:
             value_frames=pipe.frame_inverse(li, "v"),
             bias=bias,
             softcap=softcap,
+        )
+
+    def _joint_attend(
+        self, q: torch.Tensor, exact: tuple, bias: Any, scaling: float, softcap: float | None
+    ) -> torch.Tensor:
+        """:meth:`_codec_attend` of blocks coded across heads, ``[B, 1, H*g*Tq, D]``: the
+        wide queries and the joint key frame as :meth:`_joint_logits` reads them, and per
+        head its query rows' exact part, its scales and its slice of the joint value frame
+        (``Pipeline.attend`` with ``heads``)."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        wide, frame, rotation = self._joint_query(q)
+        norms = pipe.recipe.token_norms
+        return pipe.attend(
+            (self.held.keys, self.held.values),
+            q.shape[0],
+            wide,
+            exact,
+            scaling,
+            key_frames=frame[None],
+            rotation=rotation,
+            value_frames=pipe.joint_head_frames(li, "v"),
+            bias=bias,
+            softcap=softcap,
+            heads=q.shape[1],
+            exact_queries=q,
+            key_scales=pipe.joint_scales(self.held.keys) if norms("k") else None,
+            value_scales=pipe.joint_scales(self.held.values) if norms("v") else None,
         )
 
     def _codec_logits(self, q: torch.Tensor, kb: BlockRun) -> torch.Tensor:
@@ -263,29 +297,40 @@ class CodedView:
                 pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
             keys = pipe.decode(self.held.stored("k", q.device), li, "k", b, pos)
             return q @ keys.transpose(-1, -2)
-        wide = q.new_zeros(b, 1, h * rows, h * d)
-        for i in range(h):  # query head i*g + j reads KV head i: its own channels only
-            wide[:, 0, i * rows : (i + 1) * rows, i * d : (i + 1) * d] = q[:, i]
-        frame, rotation = pipe.joint_frame(li, "k"), None
-        if lay._rope is not None:
-            rope = lay._rope
-            order = self._shared(
-                ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs),
-                (),
-                lambda: self._joint_order(h, d),
-            )
-            # index_select: a quarter of advanced indexing's time on these small matrices
-            frame, wide = frame.index_select(-1, order), wide.index_select(-1, order)
-            rotation = self._shared(
-                ("joint rotation", h, self.held.positions),
-                (lay._rope.inv_freq,),
-                lambda: self._rotation("split").repeat(1, 1, 1, h),
-            )
+        wide, frame, rotation = self._joint_query(q)
         logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation)
         logits = logits.view(b, h, rows, -1)
         if pipe.recipe.token_norms("k"):
             logits = logits * pipe.joint_scales(self.held.keys)[:, :, None]
         return logits
+
+    def _joint_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The queries ``q`` ``[B, H, rows, D]`` as the codec's kernels score keys coded
+        across heads: wide queries ``[B, 1, H*rows, H*D]`` (each row zero outside its head's
+        channels), the joint key frame ``[H*D, H*D]`` and RoPE's rotation, in the channel order
+        of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
+        lay = self.layer
+        (b, h, rows, d), li = q.shape, lay.layer_idx
+        wide = q.new_zeros(b, 1, h * rows, h * d)
+        for i in range(h):  # query head i*g + j reads KV head i: its own channels only
+            wide[:, 0, i * rows : (i + 1) * rows, i * d : (i + 1) * d] = q[:, i]
+        pipe, rotation = lay._ctx.pipeline, None
+        if lay._rope is None:
+            frame = pipe.joint_frame(li, "k")
+        else:
+            rope = lay._rope
+            name = ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs)
+            order = self._shared(name, (), lambda: self._joint_order(h, d))
+            # The bundle keeps the frame in that order; index_select: a quarter of advanced
+            # indexing's time on the queries.
+            frame = pipe.joint_frame(li, "k", (name, order))
+            wide = wide.index_select(-1, order)
+            rotation = self._shared(
+                ("joint rotation", h, self.held.positions),
+                (lay._rope.inv_freq,),
+                lambda: self._rotation("split").repeat(1, 1, 1, h),
+            )
+        return wide, frame, rotation
 
     def _joint_order(self, h: int, d: int) -> torch.Tensor:
         """The channel order of ``H`` heads side by side in which the kernel's pairs ``(i, i +
@@ -312,9 +357,7 @@ class CodedView:
         if pipe.recipe.token_norms("v"):
             weights = weights * pipe.joint_scales(self.held.values)[:, :, None]
         sums = pipe.value_sums(self.held.values, b, weights.reshape(b, 1, h * rows, t))
-        frame = pipe.joint_frame(li, "v")  # [H*D, H*D]: head i's values are columns i*D..
-        per_head = frame.view(frame.shape[0], h, -1).transpose(0, 1)  # [H, H*D, D]
-        return sums.view(b, h, rows, -1) @ per_head
+        return sums.view(b, h, rows, -1) @ pipe.joint_head_frames(li, "v")
 
     def _split_layout(
         self, frame: torch.Tensor | None, *tensors: torch.Tensor
@@ -386,10 +429,13 @@ class CodedView:
             lambda: self._bias(mask, b, tq, exact, dev),
         )
 
-    def _kernel_bias(self, mask: Any, dims: tuple, exact: int, dev) -> torch.Tensor | None:
+    def _kernel_bias(
+        self, mask: Any, dims: tuple, exact: int, dev, joint: bool = False
+    ) -> torch.Tensor | None:
         """:meth:`_shared_bias` as ``Pipeline.attend`` takes it: ``[B or 1, H or 1, g*Tq,
         coded + exact]``, each KV head's query rows in the query's order (``dims`` = ``(B, H,
-        g, Tq)``); None where it adds nothing (a decode step without sinks)."""
+        g, Tq)``), or with ``joint`` (one stream across the heads) ``[B or 1, 1, H*g*Tq,
+        coded + exact]``; None where it adds nothing (a decode step without sinks)."""
         b, h, g, tq = dims
 
         def make():
@@ -401,10 +447,13 @@ class CodedView:
             if mh > 1:  # per-head rows: one per stream, so every batch row its own
                 grouped = grouped.expand(b, -1, -1, -1, -1)
             grouped = grouped.expand(-1, -1, g, -1, -1)
+            if joint:  # every head's rows in one stream's
+                grouped = grouped.expand(-1, h, -1, -1, -1)
+                return grouped.reshape(grouped.shape[0], 1, h * g * tq, -1)
             return grouped.reshape(grouped.shape[0], mh, g * tq, -1)
 
         return self._shared(
-            ("kernel bias", mask is None, dims, exact, self.coded_length),
+            ("kernel bias", mask is None, dims, exact, self.coded_length, joint),
             self._bias_inputs(mask),
             make,
         )

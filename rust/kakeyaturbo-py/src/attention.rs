@@ -3,7 +3,7 @@
 
 use half::f16;
 use kakeyaturbo::coded_attention::{
-    self as core, Attend, CodedStreams, ExactPiece, Lanes, Norms, RopeAngles,
+    self as core, Attend, CodedStreams, ExactPiece, Joint, Lanes, Norms, RopeAngles,
 };
 use kakeyaturbo::EncodedLayer;
 use numpy::ndarray::Dimension;
@@ -251,10 +251,16 @@ pub fn coded_value_sums<'py>(
 /// `bias`: `[bias rows, rows, tokens + exact]`, stream `s` reading row `s / (streams / bias
 /// rows)`; norms: float32 `[streams, tokens]` or `(codes, bounds)` lists per block; frames and
 /// rotation as for `coded_key_logits`, `value_frames` turning the sums out of the frame.
+/// Streams coded across `heads` KV heads (`heads` > 1): `queries` are the wide queries
+/// `[streams, rows, heads * head_dim]`, rows in `heads` equal groups, one per head;
+/// `exact_queries` `[streams, rows, head_dim]` each row over its own head's channels; the exact
+/// runs `[streams * heads, exact, head_dim]`; `value_frames` `[heads, heads * head_dim,
+/// head_dim]`; `key_scales` / `value_scales` `[streams, heads, tokens]` each head's scale of
+/// the coded keys / values (None: 1). The output is then `[streams, rows, head_dim]`.
 #[pyfunction]
 #[pyo3(signature = (key_encs, value_encs, streams, queries, exact_keys, exact_values, scaling, *,
     key_frames=None, rotation=None, key_norms=None, value_frames=None, value_norms=None,
-    bias=None, softcap=None))]
+    bias=None, softcap=None, heads=1, exact_queries=None, key_scales=None, value_scales=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn coded_attend<'py>(
     py: Python<'py>,
@@ -272,6 +278,10 @@ pub fn coded_attend<'py>(
     value_norms: Option<&Bound<'py, PyAny>>,
     bias: Option<&Bound<'py, PyAny>>,
     softcap: Option<f32>,
+    heads: usize,
+    exact_queries: Option<&Bound<'py, PyAny>>,
+    key_scales: Option<&Bound<'py, PyAny>>,
+    value_scales: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
     let keys = CodedStreams::new(&krefs, streams).map_err(|e| to_py_in("key_encs", e))?;
@@ -308,6 +318,31 @@ pub fn coded_attend<'py>(
         norms_arg(key_norms, "key_norms")?,
         norms_arg(value_norms, "value_norms")?,
     );
+    let (eq, ks, vs) = (
+        opt_f32_array::<numpy::Ix3>(exact_queries, "exact_queries")?,
+        opt_f32_array::<numpy::Ix3>(key_scales, "key_scales")?,
+        opt_f32_array::<numpy::Ix3>(value_scales, "value_scales")?,
+    );
+    let joint = match (heads, &eq) {
+        (0, _) => {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "heads: a stream holds at least one head",
+            ))
+        }
+        (1, None) if ks.is_none() && vs.is_none() => None,
+        (_, None) => {
+            return Err(type_error(
+                "exact_queries",
+                "streams coded across heads need each row's query over its own head",
+            ))
+        }
+        (_, Some(eq)) => Some(Joint {
+            heads,
+            exact_queries: eq.as_slice()?,
+            key_scales: ks.as_ref().map(|a| a.as_slice()).transpose()?,
+            value_scales: vs.as_ref().map(|a| a.as_slice()).transpose()?,
+        }),
+    };
     let rows = q.shape()[1];
     let a = Attend {
         queries: q.as_slice()?,
@@ -321,8 +356,9 @@ pub fn coded_attend<'py>(
         bias: with_lead(&bias)?,
         scaling,
         softcap,
+        joint,
     };
-    let d = keys.head_dim();
+    let d = keys.head_dim() / heads.max(1);
     let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;
     output(py, out, [streams, rows, d])
 }

@@ -393,6 +393,7 @@ fn bench_coded_attention(c: &mut Criterion) {
             bias: None,
             scaling: 0.125,
             softcap: None,
+            joint: None,
         };
         g.bench_function(id("attend_1t"), |b| {
             one.install(|| b.iter(|| attend(&coded, &coded, &whole())))

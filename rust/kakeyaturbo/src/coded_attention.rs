@@ -31,7 +31,7 @@ use crate::parallel;
 mod attend;
 mod norms;
 
-pub use attend::{attend, Attend, ExactPiece, Lanes};
+pub use attend::{attend, Attend, ExactPiece, Joint, Lanes};
 pub use norms::{decode_codes as decode_norm_codes, Norms};
 
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
@@ -140,13 +140,14 @@ fn check_len(name: &str, got: usize, dims: &[usize], shape: &str) -> Result<()> 
     }
 }
 
-/// Per-head frames `[heads, d, d]` (with `heads`) must split `streams` streams into equal
-/// groups and hold `heads` matrices of `d x d`.
+/// Per-head frames `[heads, rows, cols]` (with `heads`) must split `streams` streams (or
+/// heads) into equal groups and hold `heads` matrices of `rows x cols`.
 fn check_frames(
     name: &str,
     frames: Option<(&[f32], usize)>,
     streams: usize,
-    d: usize,
+    rows: usize,
+    cols: usize,
 ) -> Result<()> {
     let Some((m, heads)) = frames else {
         return Ok(());
@@ -156,7 +157,12 @@ fn check_frames(
             "{name}: {streams} streams do not group over {heads} heads"
         )));
     }
-    check_len(name, m.len(), &[heads, d, d], "heads x head_dim x head_dim")
+    check_len(
+        name,
+        m.len(),
+        &[heads, rows, cols],
+        "heads x coordinates x head_dim",
+    )
 }
 
 /// Stream `s`'s frame (head `s % heads`), after [`check_frames`].
@@ -192,7 +198,7 @@ pub fn key_logits(
         &[s_n, g, d],
         "streams x rows x head_dim",
     )?;
-    check_frames("frames", frames, s_n, d)?;
+    check_frames("frames", frames, s_n, d, d)?;
     if let Some(r) = rotation {
         if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
             return Err(Error::Shape(format!(

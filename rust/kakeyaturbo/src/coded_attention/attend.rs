@@ -8,10 +8,16 @@
 //! sums, the value frame and the exact values. The exact part's
 //! products are plain dots, written for the few query rows of a decode step; prefill-sized
 //! queries belong to a matrix library.
+//!
+//! Streams coded across heads ([`Joint`]: one stream of `H*D` coordinates per batch row) are
+//! read as one KV head of width `H*D` whose query rows split into `H` groups, one per head:
+//! the coded logits come from the wide queries (zero outside their head's channels), each
+//! group's from its own head's scale, exact keys and values; the coded value sums of a group
+//! leave the joint coordinates through its head's `[H*D, D]` slice of the value frame.
 
 use super::{
-    axpy, check_frames, check_len, dot, frame_of, key_logits, times_frame, value_sums,
-    with_avx_fma, CodedStreams, Norms, RopeAngles,
+    axpy, check_frames, check_len, dot, key_logits, times_frame, value_sums, with_avx_fma,
+    CodedStreams, Norms, RopeAngles,
 };
 use crate::error::{Error, Result};
 use crate::parallel;
@@ -67,32 +73,47 @@ impl<'a> ExactPiece<'a> {
     }
 }
 
-/// Stream `s`'s exact keys (or values) of all runs, `[E, D]` float32: borrowed when there is
-/// one float32 run, else gathered (and widened) into one buffer.
-fn stream_lanes<'a>(
+/// Head `u`'s exact keys (or values) of all runs (of `u_n` heads), `[E, D]` float32: borrowed
+/// when there is one float32 run, else gathered (and widened) into one buffer.
+fn head_lanes<'a>(
     runs: &'a [ExactPiece<'a>],
     pick: fn(&ExactPiece<'a>) -> Lanes<'a>,
-    s: usize,
-    s_n: usize,
+    u: usize,
+    u_n: usize,
 ) -> Cow<'a, [f32]> {
     if let [run] = runs {
         if let Lanes::F32(x) = pick(run) {
-            let n = x.len() / s_n;
-            return Cow::Borrowed(&x[s * n..][..n]);
+            let n = x.len() / u_n;
+            return Cow::Borrowed(&x[u * n..][..n]);
         }
     }
-    let total: usize = runs.iter().map(|r| pick(r).len() / s_n).sum();
+    let total: usize = runs.iter().map(|r| pick(r).len() / u_n).sum();
     let mut out = Vec::with_capacity(total);
     for run in runs {
         let lanes = pick(run);
-        let n = lanes.len() / s_n;
-        lanes.extend_into(s * n, n, &mut out);
+        let n = lanes.len() / u_n;
+        lanes.extend_into(u * n, n, &mut out);
     }
     Cow::Owned(out)
 }
 
+/// Streams coded across heads (a recipe's `joint_heads`): each of the `S` streams holds
+/// `heads` KV heads side by side, `W = heads * D` coordinates, and its `R` query rows are
+/// `heads` groups of `R / heads`, one per head in order. [`Attend::queries`] are then the
+/// wide queries `[S, R, W]` in the key frame's coordinates, the exact runs hold `S * heads`
+/// heads (`[S * heads, n, D]`) and the value frames are per head `[heads, W, D]`.
+pub struct Joint<'a> {
+    pub heads: usize,
+    /// `[S, R, D]`: each query row over its own head's channels, in the exact keys' order.
+    pub exact_queries: &'a [f32],
+    /// `[S, heads, T]`: each head's scale of every coded key (None: 1), applied to its logits.
+    pub key_scales: Option<&'a [f32]>,
+    /// `[S, heads, T]`: each head's scale of every coded value (None: 1).
+    pub value_scales: Option<&'a [f32]>,
+}
+
 /// The inputs of [`attend`] besides the coded streams. `S` streams, `R` query rows per stream,
-/// `T` coded and `E` exact tokens per stream, head dim `D`.
+/// `T` coded and `E` exact tokens per stream, head dim `D` (streams across heads: see [`Joint`]).
 pub struct Attend<'a> {
     /// `[S, R, D]`.
     pub queries: &'a [f32],
@@ -113,6 +134,8 @@ pub struct Attend<'a> {
     pub scaling: f32,
     /// `tanh(x / c) c` on the scaled logits, before the bias.
     pub softcap: Option<f32>,
+    /// Streams coded across heads (None: a stream is one head).
+    pub joint: Option<Joint<'a>>,
 }
 
 /// The attention output `[S, R, D]`: `softmax(scaling * [coded logits | q . k_exact] + bias)`
@@ -122,27 +145,56 @@ pub fn attend(
     values: &CodedStreams<'_>,
     a: &Attend<'_>,
 ) -> Result<Vec<f32>> {
-    let (s_n, t_n, d, r) = (keys.streams(), keys.tokens(), keys.head_dim(), a.rows);
-    if (values.streams(), values.tokens(), values.head_dim()) != (s_n, t_n, d) {
+    let (s_n, t_n, w, r) = (keys.streams(), keys.tokens(), keys.head_dim(), a.rows);
+    if (values.streams(), values.tokens(), values.head_dim()) != (s_n, t_n, w) {
         return Err(Error::Shape(format!(
-            "values: {} streams of {} tokens x {}, keys: {s_n} of {t_n} x {d}",
+            "values: {} streams of {} tokens x {}, keys: {s_n} of {t_n} x {w}",
             values.streams(),
             values.tokens(),
             values.head_dim()
         )));
     }
-    if t_n == 0 || d == 0 {
-        return Err(Error::Shape(format!("coded streams of {t_n} tokens x {d}")));
+    if t_n == 0 || w == 0 {
+        return Err(Error::Shape(format!("coded streams of {t_n} tokens x {w}")));
     }
+    let hs = a.joint.as_ref().map_or(1, |j| j.heads);
+    if hs == 0 || !w.is_multiple_of(hs) || !r.is_multiple_of(hs) {
+        return Err(Error::Shape(format!(
+            "joint: {w} coordinates and {r} query rows per stream do not split over {hs} heads"
+        )));
+    }
+    // Per head: `d` channels out, `rg` query rows; `u_n` heads in all.
+    let (d, rg, u_n) = (w / hs, r / hs, s_n * hs);
     let mut e_n = 0;
     for run in a.exact {
-        let n = run.keys.len() / (s_n * d);
-        let shape = "streams x exact x head_dim";
-        check_len("exact_keys", run.keys.len(), &[s_n, n, d], shape)?;
-        check_len("exact_values", run.values.len(), &[s_n, n, d], shape)?;
+        let n = run.keys.len() / (u_n * d);
+        let shape = "heads x exact x head_dim";
+        check_len("exact_keys", run.keys.len(), &[u_n, n, d], shape)?;
+        check_len("exact_values", run.values.len(), &[u_n, n, d], shape)?;
         e_n += n;
     }
-    check_frames("value_frames", a.value_frames, s_n, d)?;
+    check_frames("value_frames", a.value_frames, u_n, w, d)?;
+    if hs > 1 && a.value_frames.is_none() {
+        return Err(Error::Shape(
+            "value_frames: streams coded across heads need each head's [W, D] frame".into(),
+        ));
+    }
+    if let Some(j) = &a.joint {
+        check_len(
+            "exact_queries",
+            j.exact_queries.len(),
+            &[s_n, r, d],
+            "streams x rows x head_dim",
+        )?;
+        for (name, sc) in [
+            ("key_scales", j.key_scales),
+            ("value_scales", j.value_scales),
+        ] {
+            if let Some(sc) = sc {
+                check_len(name, sc.len(), &[s_n, hs, t_n], "streams x heads x tokens")?;
+            }
+        }
+    }
     let l_n = t_n + e_n;
     if let Some((bias, sb)) = a.bias {
         if sb == 0 || s_n % sb != 0 {
@@ -169,56 +221,77 @@ pub fn attend(
     if r == 0 {
         return Ok(Vec::new());
     }
+    let exact_q = a.joint.as_ref().map_or(a.queries, |j| j.exact_queries);
     // Per stream: the coded logits become their weights in place, the exact weights return.
     let exact_p: Vec<Vec<f32>> = parallel::map_chunks(&mut weights, r * t_n, |s, coded| {
         let mut exact = vec![0.0f32; r * e_n];
-        let keys = stream_lanes(a.exact, |run| run.keys, s, s_n);
-        let args = Scores {
-            coded,
-            exact: &mut exact,
-            q: &a.queries[s * r * d..][..r * d],
-            keys: &keys,
-            bias: a
-                .bias
-                .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]),
-            d,
-            scaling: a.scaling,
-            softcap: a.softcap,
-        };
-        run_softmax(args);
+        let bias = a
+            .bias
+            .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]);
+        for i in 0..hs {
+            let u = s * hs + i;
+            let keys = head_lanes(a.exact, |run| run.keys, u, u_n);
+            let args = Scores {
+                coded: &mut coded[i * rg * t_n..][..rg * t_n],
+                exact: &mut exact[i * rg * e_n..][..rg * e_n],
+                q: &exact_q[(s * r + i * rg) * d..][..rg * d],
+                keys: &keys,
+                bias: bias.map(|b| &b[i * rg * l_n..][..rg * l_n]),
+                key_scales: head_scales(a.joint.as_ref().and_then(|j| j.key_scales), u, t_n),
+                value_scales: head_scales(a.joint.as_ref().and_then(|j| j.value_scales), u, t_n),
+                d,
+                scaling: a.scaling,
+                softcap: a.softcap,
+            };
+            run_softmax(args);
+        }
         exact
     });
     let sums = value_sums(values, &weights, a.value_norms.as_ref(), r)?;
     let mut out = vec![0.0f32; s_n * r * d];
     parallel::map_chunks(&mut out, r * d, |s, out| {
-        let m = frame_of(a.value_frames, s, d);
-        let values = stream_lanes(a.exact, |run| run.values, s, s_n);
-        let args = Outputs {
-            sums: &sums[s * r * d..][..r * d],
-            frame: m,
-            p: &exact_p[s],
-            values: &values,
-            d,
-        };
-        run_outputs(args, out);
+        for i in 0..hs {
+            let u = s * hs + i;
+            let values = head_lanes(a.exact, |run| run.values, u, u_n);
+            let args = Outputs {
+                sums: &sums[(s * r + i * rg) * w..][..rg * w],
+                frame: a
+                    .value_frames
+                    .map(|(m, heads)| &m[(u % heads) * w * d..][..w * d]),
+                p: &exact_p[s][i * rg * e_n..][..rg * e_n],
+                values: &values,
+                d,
+            };
+            run_outputs(args, &mut out[i * rg * d..][..rg * d]);
+        }
     });
     Ok(out)
 }
 
-/// One stream's scores: `coded` `[R, T]` holds the coded logits and gets their softmax
-/// weights, `exact` `[R, E]` the exact tokens' weights.
+/// Head `u`'s `[T]` slice of `[S, heads, T]` scales.
+fn head_scales(scales: Option<&[f32]>, u: usize, t_n: usize) -> Option<&[f32]> {
+    scales.map(|v| &v[u * t_n..][..t_n])
+}
+
+/// One head's scores: `coded` `[R, T]` holds the coded logits and gets their softmax
+/// weights (times `value_scales`), `exact` `[R, E]` the exact tokens' weights.
 struct Scores<'a> {
     coded: &'a mut [f32],
     exact: &'a mut [f32],
     q: &'a [f32],
     keys: &'a [f32],
     bias: Option<&'a [f32]>,
+    /// `[T]`: the coded logits' scales, and the coded weights' (None: 1).
+    key_scales: Option<&'a [f32]>,
+    value_scales: Option<&'a [f32]>,
     d: usize,
     scaling: f32,
     softcap: Option<f32>,
 }
 
-/// One stream's outputs from its coded sums `[R, D]` (frame coordinates) and exact weights.
+/// One head's outputs `[R, D]` from its coded sums `[R, W]` (frame coordinates: `W` = `D`,
+/// or every head's across heads, which `frame` `[W, D]` turns into this head's) and exact
+/// weights.
 struct Outputs<'a> {
     sums: &'a [f32],
     frame: Option<&'a [f32]>,
@@ -231,11 +304,17 @@ struct Outputs<'a> {
 fn softmax_rows<const FMA: bool>(a: Scores<'_>) {
     let d = a.d;
     let r = a.q.len() / d;
+    if r == 0 {
+        return;
+    }
     let (t_n, e_n) = (a.coded.len() / r, a.exact.len() / r);
     let mut row = vec![0.0f32; t_n + e_n];
     for j in 0..r {
         let q = &a.q[j * d..][..d];
         row[..t_n].copy_from_slice(&a.coded[j * t_n..][..t_n]);
+        if let Some(ks) = a.key_scales {
+            row.iter_mut().zip(ks).for_each(|(x, k)| *x *= k);
+        }
         for (x, k) in row[t_n..].iter_mut().zip(a.keys.chunks_exact(d)) {
             *x = dot::<FMA>(q, k);
         }
@@ -248,6 +327,9 @@ fn softmax_rows<const FMA: bool>(a: Scores<'_>) {
             row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
         }
         softmax(&mut row);
+        if let Some(vs) = a.value_scales {
+            row.iter_mut().zip(vs).for_each(|(x, v)| *x *= v);
+        }
         a.coded[j * t_n..][..t_n].copy_from_slice(&row[..t_n]);
         a.exact[j * e_n..][..e_n].copy_from_slice(&row[t_n..]);
     }
@@ -303,9 +385,9 @@ pub(super) fn exp_le0(x: f32) -> f32 {
 fn outputs<const FMA: bool>(a: Outputs<'_>, out: &mut [f32]) {
     let d = a.d;
     let r = out.len() / d;
-    let e_n = a.p.len() / r.max(1);
+    let (w, e_n) = (a.sums.len() / r.max(1), a.p.len() / r.max(1));
     for (j, o) in out.chunks_exact_mut(d).enumerate() {
-        let s = &a.sums[j * d..][..d];
+        let s = &a.sums[j * w..][..w];
         match a.frame {
             Some(m) => times_frame::<FMA>(s, m, o),
             None => o.copy_from_slice(s),

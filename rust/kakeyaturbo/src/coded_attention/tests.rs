@@ -396,34 +396,77 @@ fn norm_codes_decode_as_the_python_decoder_and_refuse_bad_bounds() {
     assert!(cut.check(&c).is_err());
 }
 
-/// The attention written out the slow way in f64 over decoded keys and values.
+/// RoPE-like angles `[t_n, 2, pairs]` (cosines, then sines) at positions `0..t_n`.
+fn rotation_table(t_n: usize, pairs: usize) -> Vec<f32> {
+    (0..t_n)
+        .flat_map(|t| {
+            let angle = move |i: usize| t as f32 * 10f32.powf(-(i as f32) / pairs as f32);
+            (0..pairs)
+                .map(move |i| angle(i).cos())
+                .chain((0..pairs).map(move |i| angle(i).sin()))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Exact tokens `[heads, e_n, d]` in two runs, as a cache hands them over: each head's first
+/// 3 tokens in bfloat16 (its hot window, as held), then the rest in float32 (the new tokens).
+fn held_and_new(x: &[f32], e_n: usize, d: usize) -> (Vec<u16>, Vec<f32>) {
+    let (mut held, mut new) = (Vec::new(), Vec::new());
+    for row in x.chunks_exact(e_n * d) {
+        held.extend(
+            row[..3 * d]
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits()),
+        );
+        new.extend_from_slice(&row[3 * d..]);
+    }
+    (held, new)
+}
+
+/// The runs of [`held_and_new`] keys and values as [`attend`] takes them.
+fn two_runs<'a>(k: (&'a [u16], &'a [f32]), v: (&'a [u16], &'a [f32])) -> [ExactPiece<'a>; 2] {
+    [
+        ExactPiece {
+            keys: Lanes::Bf16(k.0),
+            values: Lanes::Bf16(v.0),
+        },
+        ExactPiece::f32(k.1, v.1),
+    ]
+}
+
+/// The attention written out the slow way in f64 over decoded keys and values: `logits`
+/// `[S, R, T]` of the coded keys (before any [`Joint`] scale), `yv` the decoded values `[S, T,
+/// W]`, `vnorms` their token norms (None: scale 1), `vframes` `[fheads, W, D]`.
 #[allow(clippy::too_many_arguments)]
 fn reference_attend(
     logits: &[f32],
     yv: &[f32],
-    vnorms: &[f32],
+    vnorms: Option<&[f32]>,
     vframes: &[f32],
-    heads: usize,
+    fheads: usize,
     a: &Attend<'_>,
     streams: usize,
     t_n: usize,
-    d: usize,
+    w: usize,
 ) -> Vec<f32> {
-    // The exact runs gathered per stream in float32 (bfloat16 widened), as the kernel reads them.
+    let hs = a.joint.as_ref().map_or(1, |j| j.heads);
+    let (d, units) = (w / hs, streams * hs);
+    // The exact runs gathered per head in float32 (bfloat16 widened), as the kernel reads them.
     let gather = |values: bool| -> Vec<Vec<f32>> {
-        (0..streams)
-            .map(|s| {
+        (0..units)
+            .map(|u| {
                 let mut out = Vec::new();
                 for run in a.exact {
                     let lanes = if values { run.values } else { run.keys };
                     let n = match lanes {
                         Lanes::F32(x) => x.len(),
                         Lanes::Bf16(x) => x.len(),
-                    } / streams;
+                    } / units;
                     match lanes {
-                        Lanes::F32(x) => out.extend_from_slice(&x[s * n..][..n]),
+                        Lanes::F32(x) => out.extend_from_slice(&x[u * n..][..n]),
                         Lanes::Bf16(x) => out.extend(
-                            x[s * n..][..n]
+                            x[u * n..][..n]
                                 .iter()
                                 .map(|&b| half::bf16::from_bits(b).to_f32()),
                         ),
@@ -435,18 +478,25 @@ fn reference_attend(
     };
     let (ek, ev) = (gather(false), gather(true));
     let (r, e_n) = (a.rows, ek[0].len() / d);
-    let l_n = t_n + e_n;
+    let (rg, l_n) = (r / hs, t_n + e_n);
+    let exact_q = a.joint.as_ref().map_or(a.queries, |j| j.exact_queries);
+    let scale = |sc: Option<&[f32]>, u: usize, t: usize| sc.map_or(1.0, |v| v[u * t_n + t] as f64);
     let mut out = vec![0.0f32; streams * r * d];
     for s in 0..streams {
-        let m = &vframes[(s % heads) * d * d..][..d * d];
         for j in 0..r {
-            let q = &a.queries[(s * r + j) * d..][..d];
+            let u = s * hs + j / rg;
+            let m = &vframes[(u % fheads) * w * d..][..w * d];
+            let (ks, vs) = (
+                a.joint.as_ref().and_then(|jt| jt.key_scales),
+                a.joint.as_ref().and_then(|jt| jt.value_scales),
+            );
+            let q = &exact_q[(s * r + j) * d..][..d];
             let mut x: Vec<f64> = (0..l_n)
                 .map(|t| {
                     if t < t_n {
-                        logits[(s * r + j) * t_n + t] as f64
+                        logits[(s * r + j) * t_n + t] as f64 * scale(ks, u, t)
                     } else {
-                        let k = &ek[s][(t - t_n) * d..][..d];
+                        let k = &ek[u][(t - t_n) * d..][..d];
                         q.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum()
                     }
                 })
@@ -470,16 +520,17 @@ fn reference_attend(
             };
             let mut acc = vec![0.0f64; d];
             for t in 0..t_n {
-                let y = &yv[(s * t_n + t) * d..][..d];
+                let y = &yv[(s * t_n + t) * w..][..w];
                 let len = y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
-                let w = p[t] * vnorms[s * t_n + t] as f64 / len.max(1e-12);
+                let norm = vnorms.map_or(1.0, |n| n[s * t_n + t] as f64 / len.max(1e-12));
+                let wt = p[t] * norm * scale(vs, u, t);
                 for c in 0..d {
-                    let v: f64 = (0..d).map(|i| y[i] as f64 * m[i * d + c] as f64).sum();
-                    acc[c] += w * v;
+                    let v: f64 = (0..w).map(|i| y[i] as f64 * m[i * d + c] as f64).sum();
+                    acc[c] += wt * v;
                 }
             }
             for e in 0..e_n {
-                let v = &ev[s][e * d..][..d];
+                let v = &ev[u][e * d..][..d];
                 acc.iter_mut()
                     .zip(v)
                     .for_each(|(o, v)| *o += p[t_n + e] * *v as f64);
@@ -512,15 +563,7 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
         .iter()
         .map(|v| v * 0.2)
         .collect::<Vec<_>>();
-    let rot: Vec<f32> = (0..t_n)
-        .flat_map(|t| {
-            let angle = move |i: usize| t as f32 * 10f32.powf(-(i as f32) / pairs as f32);
-            (0..pairs)
-                .map(move |i| angle(i).cos())
-                .chain((0..pairs).map(move |i| angle(i).sin()))
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let rot = rotation_table(t_n, pairs);
     let knorms: Vec<f32> = normals(streams * t_n, 13)
         .iter()
         .map(|v| v.abs() + 0.5)
@@ -534,28 +577,8 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
     let q = normals(streams * r * d, 15);
     let ek = normals(streams * e_n * d, 16);
     let ev = normals(streams * e_n * d, 17);
-    // The exact tokens in two runs, as a cache hands them over: 3 in bfloat16 (its hot
-    // window, as held), then 2 in float32 (the new tokens).
-    let split = |x: &[f32]| -> (Vec<u16>, Vec<f32>) {
-        let (mut held, mut new) = (Vec::new(), Vec::new());
-        for row in x.chunks_exact(e_n * d) {
-            held.extend(
-                row[..3 * d]
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_bits()),
-            );
-            new.extend_from_slice(&row[3 * d..]);
-        }
-        (held, new)
-    };
-    let ((hk, nk), (hv, nv)) = (split(&ek), split(&ev));
-    let exact = [
-        ExactPiece {
-            keys: Lanes::Bf16(&hk),
-            values: Lanes::Bf16(&hv),
-        },
-        ExactPiece::f32(&nk, &nv),
-    ];
+    let ((hk, nk), (hv, nv)) = (held_and_new(&ek, e_n, d), held_and_new(&ev, e_n, d));
+    let exact = two_runs((&hk, &nk), (&hv, &nv));
     // Batch-row bias (2 rows of 3 streams): some coded tokens masked, one row masked whole.
     let l_n = t_n + e_n;
     let mut bias = vec![0.0f32; 2 * r * l_n];
@@ -586,19 +609,180 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
             bias: Some((&bias, 2)),
             scaling: 0.125,
             softcap,
+            joint: None,
         };
         let got = attend(&kc, &vc, &a).unwrap();
         let logits = reference_logits(
             &yk, streams, t_n, d, &kframes, heads, &rot, 1, pairs, &knorms, &q, r,
         );
         let want = reference_attend(
-            &logits, &yv, &vdecoded, &vframes, heads, &a, streams, t_n, d,
+            &logits,
+            &yv,
+            Some(&vdecoded),
+            &vframes,
+            heads,
+            &a,
+            streams,
+            t_n,
+            d,
         );
         assert_close(&got, &want, &format!("attend softcap={softcap:?}"));
         // The fully masked row (batch row 1, query row 2) is zeros for each of its streams.
         for s in 3..6 {
             assert!(got[(s * r + 2) * d..][..d].iter().all(|&v| v == 0.0));
         }
+    }
+}
+
+#[test]
+fn attend_across_heads_matches_each_heads_softmax_over_decoded_keys_and_values() {
+    // Two batch rows, each one stream of 3 heads x 16 channels coded together; 2 query rows
+    // per head, laid out as the cache lays them: wide queries over the joint coordinates
+    // (zero outside their head's channels), the exact part per head.
+    let (streams, hs, rg, e_n, d, lens) = (2, 3, 2, 5, 16, [32usize, 17]);
+    let (w, r) = (hs * d, hs * rg);
+    let (kenc, yk) = coded(streams, &lens, w);
+    let (venc, yv) = coded(streams, &lens, w);
+    let (krefs, vrefs): (Vec<&EncodedLayer>, Vec<&EncodedLayer>) =
+        (kenc.iter().collect(), venc.iter().collect());
+    let (kc, vc) = (
+        CodedStreams::new(&krefs, streams).unwrap(),
+        CodedStreams::new(&vrefs, streams).unwrap(),
+    );
+    let (t_n, pairs) = (kc.tokens(), w / 2);
+    let scaled = |n: usize, seed: u64, f: fn(f32) -> f32| -> Vec<f32> {
+        normals(n, seed).into_iter().map(f).collect()
+    };
+    let kframe = scaled(w * w, 21, |v| v * 0.2);
+    let vframes = scaled(hs * w * d, 22, |v| v * 0.2);
+    let rot = rotation_table(t_n, pairs);
+    let key_scales = scaled(streams * hs * t_n, 23, |v| v.abs() + 0.5);
+    let value_scales = scaled(streams * hs * t_n, 24, |v| v.abs() + 0.1);
+    let mut wide = scaled(streams * r * w, 25, |v| v);
+    for (k, q) in wide.iter_mut().enumerate() {
+        let (row, c) = ((k / w) % r, k % w);
+        if c / d != row / rg {
+            *q = 0.0;
+        }
+    }
+    let exact_q = scaled(streams * r * d, 26, |v| v);
+    let units = streams * hs;
+    let (ek, ev) = (
+        scaled(units * e_n * d, 27, |v| v),
+        scaled(units * e_n * d, 28, |v| v),
+    );
+    let ((hk, nk), (hv, nv)) = (held_and_new(&ek, e_n, d), held_and_new(&ev, e_n, d));
+    let exact = two_runs((&hk, &nk), (&hv, &nv));
+    let l_n = t_n + e_n;
+    let mut bias = vec![0.0f32; r * l_n];
+    for (i, b) in bias.iter_mut().enumerate() {
+        if i % 7 == 3 {
+            *b = f32::NEG_INFINITY;
+        }
+    }
+    bias[3 * l_n..][..l_n].fill(f32::NEG_INFINITY); // head 1's second row, masked whole
+                                                    // No token norms across heads: the reference's norm over |y| is then 1.
+    let unit: Vec<f32> = yk
+        .chunks_exact(w)
+        .map(|y| y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt() as f32)
+        .collect();
+    let logits = reference_logits(
+        &yk, streams, t_n, w, &kframe, 1, &rot, 1, pairs, &unit, &wide, r,
+    );
+    let joint = || Joint {
+        heads: hs,
+        exact_queries: &exact_q,
+        key_scales: Some(&key_scales),
+        value_scales: Some(&value_scales),
+    };
+    let base = |softcap| Attend {
+        queries: &wide,
+        rows: r,
+        key_frames: Some((&kframe, 1)),
+        rotation: Some(RopeAngles {
+            values: &rot,
+            rows: 1,
+            pairs,
+        }),
+        key_norms: None,
+        value_frames: Some((&vframes, hs)),
+        value_norms: None,
+        exact: &exact,
+        bias: Some((&bias, 1)),
+        scaling: 0.25,
+        softcap,
+        joint: Some(joint()),
+    };
+    for softcap in [None, Some(6.0f32)] {
+        let a = base(softcap);
+        let got = attend(&kc, &vc, &a).unwrap();
+        let want = reference_attend(&logits, &yv, None, &vframes, hs, &a, streams, t_n, w);
+        assert_close(&got, &want, &format!("joint attend softcap={softcap:?}"));
+        for s in 0..streams {
+            assert!(got[(s * r + 3) * d..][..d].iter().all(|&v| v == 0.0));
+        }
+    }
+    // What does not fit the heads is refused, naming the argument.
+    let short = &exact_q[1..];
+    let cases = [
+        (
+            Attend {
+                joint: Some(Joint {
+                    heads: 5,
+                    ..joint()
+                }),
+                ..base(None)
+            },
+            "joint",
+        ),
+        (
+            Attend {
+                joint: Some(Joint {
+                    exact_queries: short,
+                    ..joint()
+                }),
+                ..base(None)
+            },
+            "exact_queries",
+        ),
+        (
+            Attend {
+                joint: Some(Joint {
+                    key_scales: Some(short),
+                    ..joint()
+                }),
+                ..base(None)
+            },
+            "key_scales",
+        ),
+        (
+            Attend {
+                joint: Some(Joint {
+                    value_scales: Some(short),
+                    ..joint()
+                }),
+                ..base(None)
+            },
+            "value_scales",
+        ),
+        (
+            Attend {
+                value_frames: None,
+                ..base(None)
+            },
+            "value_frames",
+        ),
+        (
+            Attend {
+                value_frames: Some((&kframe, 1)),
+                ..base(None)
+            },
+            "value_frames",
+        ),
+    ];
+    for (a, what) in &cases {
+        let e = attend(&kc, &vc, a).expect_err("refused").to_string();
+        assert!(e.contains(what), "{what}: {e}");
     }
 }
 
@@ -631,6 +815,7 @@ fn attend_refuses_mismatched_inputs() {
         bias: None,
         scaling: 1.0,
         softcap: None,
+        joint: None,
     };
     let out = attend(&kc, &vc, &base()).unwrap();
     assert_eq!(out.len(), 2 * 64);
