@@ -18,20 +18,18 @@ from __future__ import annotations
 import argparse
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from bench_args import add_model_and_text  # benches/, beside this script
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.hf.coded_attention import CodedView
 from kakeyaturbo.hf.layer import KakeyaLayer
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.pipeline import Pipeline
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 
 # (class, methods) timed: the codec's kernels and the Python around them.
 PARTS = (
@@ -91,8 +89,7 @@ def time_steps(model, ids, ctx: int, steps: int, cache) -> tuple[float, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    add_model_and_text(ap)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--calibration", default=None, help="a bundle (default: none)")
     ap.add_argument("--steps", type=int, default=8)

@@ -35,12 +35,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from bench_args import CALIBRATION_TEXT, add_model_and_text  # benches/, beside this script
 from kakeyaturbo.calibration.fit import collect_moments
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import load_model
 from probe_joint_key_structure import reverse_waterfill
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 BITS = 2.6
 QUERY_OFFSETS = 4096
 VARIANTS = {
@@ -79,8 +79,7 @@ def turned_covariance(second: np.ndarray, mean: np.ndarray, offsets, inv_freq, h
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--text", default=str(SHARED / "data" / "calibration-text.txt"))
+    add_model_and_text(ap, CALIBRATION_TEXT)
     ap.add_argument("--tokens", type=int, default=12_000)
     args = ap.parse_args()
 

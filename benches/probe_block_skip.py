@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_args import add_model_and_text  # benches/, beside this script
 from kakeyaturbo.capture import capture_kv, read_tokens
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import kv_geometry, load_model
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 SINKS, HOT, BLOCK, QUERIES = 4, 128, 256, 64
 
 
@@ -55,11 +55,7 @@ def skippable(
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--model",
-        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    )
-    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    add_model_and_text(ap)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--margin", type=float, default=12.0, help="skip below e^-margin of the max")
     ap.add_argument("--threads", type=int, default=2)

@@ -25,10 +25,10 @@ from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from bench_args import add_model_and_text  # benches/, beside this script
 from kakeyaturbo.hf import int8_rows
 from kakeyaturbo.modeling import cut_passages, load_model, read_text, tokenize_text
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 NAME = "kakeyaturbo-probe-int8"
 SCORED = 64
 
@@ -65,11 +65,7 @@ VARIANTS = {
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--model",
-        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    )
-    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    add_model_and_text(ap)
     ap.add_argument("--passages", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=960)
     ap.add_argument("--threads", type=int, default=2)

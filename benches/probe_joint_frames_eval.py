@@ -27,6 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 import smollm2_eval  # benches/, beside this script
+from bench_args import CALIBRATION_TEXT  # benches/, beside this script
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.capture import capture_kv, read_tokens
 from kakeyaturbo.eval.harness import evaluate_method
@@ -120,9 +121,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mode", default="snapshot", choices=["snapshot", "in-forward"])
     ap.add_argument("--bits", type=float, nargs="+", default=[2.5, 2.25, 2.0])
     ap.add_argument("--streams", default="kv", choices=["kv", "k", "v"])
-    ap.add_argument(
-        "--fit-text", default=str(smollm2_eval.SHARED / "data" / "calibration-text.txt")
-    )
+    ap.add_argument("--fit-text", default=CALIBRATION_TEXT)
     ap.add_argument("--fit-tokens", type=int, default=8 * CHUNK)
     args = ap.parse_args(argv)
     setup = smollm2_eval.setup(args)

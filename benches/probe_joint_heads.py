@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_args import CALIBRATION_TEXT, SMOLLM2, WIKITEXT  # benches/, beside this script
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.capture import capture_kv, read_tokens
 from kakeyaturbo.modeling import load_model
@@ -32,7 +33,6 @@ from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.recipes import default_recipe
 from probe_joint_frames_eval import joint_coordinates  # benches/, beside this script
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 RATES = (1.5, 2.5, 3.5)
 
 
@@ -73,13 +73,10 @@ def variances_along(fit: np.ndarray, test: np.ndarray, blocks: list[slice]) -> t
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--model",
-        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    )
+    ap.add_argument("--model", default=SMOLLM2)
     ap.add_argument("--calibration", required=True, help="calibration bundle folder")
-    ap.add_argument("--fit-text", default=str(SHARED / "data" / "calibration-text.txt"))
-    ap.add_argument("--test-text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    ap.add_argument("--fit-text", default=CALIBRATION_TEXT)
+    ap.add_argument("--test-text", default=WIKITEXT)
     ap.add_argument("--chunks", type=int, default=4, help="1024-token forwards per text")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_args import CALIBRATION_TEXT, add_model_and_text  # benches/, beside this script
 from kakeyaturbo.calibration.fit import _block_diagonal, _eig_desc, collect_moments
 from kakeyaturbo.modeling import load_model
 from kakeyaturbo.recipes import CALIBRATED_BITS
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 
 
 def reverse_waterfill(lam: np.ndarray, bits: float) -> tuple[float, np.ndarray]:
@@ -51,9 +50,8 @@ def reverse_waterfill(lam: np.ndarray, bits: float) -> tuple[float, np.ndarray]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True)
+    add_model_and_text(ap, CALIBRATION_TEXT)
     ap.add_argument("--bundle", required=True, help="a bundle fitted with --joint-heads")
-    ap.add_argument("--text", default=str(SHARED / "data" / "calibration-text.txt"))
     ap.add_argument("--tokens", type=int, default=12_000)
     ap.add_argument("--top", type=int, nargs="+", default=[8, 16, 32, 64])
     args = ap.parse_args()

@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 import smollm2_eval  # benches/, beside this script
+from bench_args import CALIBRATION_TEXT  # benches/, beside this script
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.calibration.fit import collect_moments, fit_bundle
 from kakeyaturbo.eval.harness import evaluate_method
@@ -40,9 +41,7 @@ def post_rope_bundle(model, tokenizer, bundle: Calibration, text: str, out: Path
 
 def main(argv=None) -> None:
     ap = smollm2_eval.parser(__doc__)
-    ap.add_argument(
-        "--calib-text", default=str(smollm2_eval.SHARED / "data" / "calibration-text.txt")
-    )
+    ap.add_argument("--calib-text", default=CALIBRATION_TEXT)
     ap.add_argument("--out", default="artifacts/calib-smollm2-post-rope")
     args = ap.parse_args(argv)
     setup = smollm2_eval.setup(args)

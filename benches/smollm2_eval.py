@@ -4,23 +4,17 @@ reference (ctx 960 + 64 scored tokens, the protocol of reports/) and their resul
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
+from bench_args import add_model_and_text  # benches/, beside this script
 from kakeyaturbo.eval.ppl import Setup, load_setup
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser with --model, --text, --calibration, --passages and --threads."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument(
-        "--model",
-        default=str(SHARED / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    )
-    ap.add_argument("--text", default=str(SHARED / "data" / "wikitext-2-raw-test.txt"))
+    add_model_and_text(ap)
     ap.add_argument("--calibration", required=True, help="calibration bundle folder")
     ap.add_argument("--passages", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
