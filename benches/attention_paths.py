@@ -14,8 +14,10 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
   (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads.
 
 With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
-coded across heads: ``joint`` attends over their codes (the logits and value-sum kernels over
-one virtual head of width heads x head_dim), ``joint-decode`` decodes every block each step
+coded across heads: ``joint`` attends over their codes (one virtual head of width heads x
+head_dim: the whole attention in one call, each head's exact part, scales and value frame in
+it; ``joint-two-kernels``: the logits and value-sum kernels around torch), ``joint-decode``
+decodes every block each step
 (``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
 with only that stream coded across heads (the recipe's ``joint_heads``).
 
@@ -135,6 +137,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
     runs = {"DynamicCache": (dense, None)} | {p: (coded, v) for p, v in paths.items()}
     if joint is not None:
         runs["joint"] = (prefilled(joint), PATHS["whole"])
+        runs["joint-two-kernels"] = (runs["joint"][0], PATHS["two-kernels"])
         runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
         if args.joint_heads:
             recipe = default_recipe(joint).replace(joint_heads=args.joint_heads)
@@ -160,7 +163,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
         med, att = statistics.median(ts), statistics.median(attention[name])
         reps = " ".join(f"{t:6.1f}" for t in ts)
         print(
-            f"ctx {ctx:5d} {name:13s} step ms {reps}  median {med:6.1f}  "
+            f"ctx {ctx:5d} {name:17s} step ms {reps}  median {med:6.1f}  "
             f"speed vs dyn {base / med:.2f}x  attention {att:5.1f}  rest {med - att:5.1f}"
         )
 
