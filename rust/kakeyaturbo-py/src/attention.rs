@@ -358,7 +358,7 @@ pub fn coded_attend<'py>(
         softcap,
         joint,
     };
-    let d = keys.head_dim() / heads.max(1);
+    let d = keys.head_dim() / heads; // heads >= 1: refused above
     let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;
     output(py, out, [streams, rows, d])
 }

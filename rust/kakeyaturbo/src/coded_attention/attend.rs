@@ -222,6 +222,10 @@ pub fn attend(
         return Ok(Vec::new());
     }
     let exact_q = a.joint.as_ref().map_or(a.queries, |j| j.exact_queries);
+    let (key_scales, value_scales) = a
+        .joint
+        .as_ref()
+        .map_or((None, None), |j| (j.key_scales, j.value_scales));
     // Per stream: the coded logits become their weights in place, the exact weights return.
     let exact_p: Vec<Vec<f32>> = parallel::map_chunks(&mut weights, r * t_n, |s, coded| {
         let mut exact = vec![0.0f32; r * e_n];
@@ -237,8 +241,8 @@ pub fn attend(
                 q: &exact_q[(s * r + i * rg) * d..][..rg * d],
                 keys: &keys,
                 bias: bias.map(|b| &b[i * rg * l_n..][..rg * l_n]),
-                key_scales: head_scales(a.joint.as_ref().and_then(|j| j.key_scales), u, t_n),
-                value_scales: head_scales(a.joint.as_ref().and_then(|j| j.value_scales), u, t_n),
+                key_scales: head_scales(key_scales, u, t_n),
+                value_scales: head_scales(value_scales, u, t_n),
                 d,
                 scaling: a.scaling,
                 softcap: a.softcap,

@@ -44,12 +44,7 @@ impl Norms<'_> {
                     let n = coded.offsets[b + 1] - coded.offsets[b];
                     let what = format!("norm codes of block {b}");
                     super::check_len(&what, codes.len(), &[s_n, n], "streams x tokens")?;
-                    super::check_len(&what, bounds.len(), &[s_n, 2], "streams x 2 bounds")?;
-                    if let Some(v) = bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
-                        return Err(Error::Format(format!(
-                            "{what}: bound {v} is not a positive finite float16"
-                        )));
-                    }
+                    check_bounds(&what, bounds, s_n)?;
                 }
                 Ok(())
             }
@@ -73,6 +68,18 @@ impl Norms<'_> {
                 Ok(Cow::Owned(norms))
             }
         }
+    }
+}
+
+/// A block's bounds must be `[streams, 2]` positive finite float16 (hostile bounds would
+/// decode to NaN or infinity).
+fn check_bounds(what: &str, bounds: &[f16], streams: usize) -> Result<()> {
+    super::check_len(what, bounds.len(), &[streams, 2], "streams x 2 bounds")?;
+    match bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
+        Some(v) => Err(Error::Format(format!(
+            "{what}: bound {v} is not a positive finite float16"
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -103,12 +110,7 @@ pub fn decode_codes(blocks: &[(&[u8], &[f16])], streams: usize) -> Result<Vec<f3
                 codes.len()
             )));
         }
-        super::check_len(&what, bounds.len(), &[streams, 2], "streams x 2 bounds")?;
-        if let Some(v) = bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
-            return Err(Error::Format(format!(
-                "{what}: bound {v} is not a positive finite float16"
-            )));
-        }
+        check_bounds(&what, bounds, streams)?;
         lens.push(codes.len() / streams);
     }
     let mut out = Vec::with_capacity(streams * lens.iter().sum::<usize>());
