@@ -11,12 +11,16 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
 - ``two-kernels``: the codec's logits and value-sum kernels around a torch softmax, bias and
   exact part (``WHOLE_ATTENTION_ROWS = 0``), the default before ``attend``;
 - ``own-pool`` (with ``--threads`` above 1): ``whole`` with the codec on its own rayon pool
-  (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads.
+  (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads;
+- ``whole-f32``: ``whole`` with the key frame product in float32 (``attention_precision=
+  "float32"``, the cache's default) instead of bfloat16, which the other paths of this bench
+  run (the same where the CPU lacks AVX512-BF16).
 
 With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
 coded across heads: ``joint`` attends over their codes (one virtual head of width heads x
 head_dim: the whole attention in one call, each head's exact part, scales and value frame in
-it; ``joint-two-kernels``: the logits and value-sum kernels around torch), ``joint-decode``
+it; ``joint-two-kernels``: the logits and value-sum kernels around torch; ``joint-f32``: the
+frame product in float32), ``joint-decode``
 decodes every block each step
 (``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
 with only that stream coded across heads (the recipe's ``joint_heads``).
@@ -46,11 +50,12 @@ from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.recipes import default_recipe
 
-# name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads)
+# name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads, attention_precision)
 PATHS = {
-    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True),
-    "two-kernels": (0, True),
-    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False),
+    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True, "bfloat16"),
+    "whole-f32": (coded_attention.WHOLE_ATTENTION_ROWS, True, "float32"),
+    "two-kernels": (0, True, "bfloat16"),
+    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False, "bfloat16"),
 }
 
 
@@ -138,6 +143,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
     if joint is not None:
         runs["joint"] = (prefilled(joint), PATHS["whole"])
         runs["joint-two-kernels"] = (runs["joint"][0], PATHS["two-kernels"])
+        runs["joint-f32"] = (runs["joint"][0], PATHS["whole-f32"])
         runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
         if args.joint_heads:
             recipe = default_recipe(joint).replace(joint_heads=args.joint_heads)
@@ -149,6 +155,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
             if path is not None:
                 coded_attention.WHOLE_ATTENTION_ROWS = path[0]
                 kakeyaturbo.share_torch_threads(path[1])
+                cache._ctx.attention_precision = path[2]
             with AttentionTimer() as timer:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):

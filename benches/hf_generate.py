@@ -264,6 +264,13 @@ def main(argv=None) -> None:
         "the cache's default, on)",
     )
     ap.add_argument(
+        "--attention-precision",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="KakeyaCache's attention_precision: the key frame product's arithmetic on the CPU "
+        "(default: the cache's default, float32; bfloat16 where the CPU multiplies it natively)",
+    )
+    ap.add_argument(
         "--residual-length",
         type=int,
         default=None,
@@ -322,6 +329,8 @@ def main(argv=None) -> None:
         options["residual_length"] = args.residual_length
     if args.int8_hot_values is not None:
         options["int8_hot_values"] = args.int8_hot_values
+    if args.attention_precision is not None:
+        options["attention_precision"] = args.attention_precision
     if args.post_rope:
         options["pre_rope"] = False
     probe = KakeyaCache(model.config, **options)  # what the caches use
@@ -341,6 +350,13 @@ def main(argv=None) -> None:
     if probe.int8_hot_values:
         hot += ", values as int8 rows"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    natively = kt.codec.bf16_products(head_dim)
+    print(
+        f"kakeya attention precision: {probe.attention_precision} (bfloat16 products on this "
+        f"CPU: {'yes' if natively else 'no'})"
+    )
     qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
     print(f"quantized cache: {qdesc}")
 

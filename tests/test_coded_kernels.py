@@ -13,7 +13,13 @@ import pytest
 import torch
 
 import kakeyaturbo as kt
-from kakeyaturbo.codec import coded_attend, coded_key_logits, coded_value_sums, decode_norm_codes
+from kakeyaturbo.codec import (
+    bf16_products,
+    coded_attend,
+    coded_key_logits,
+    coded_value_sums,
+    decode_norm_codes,
+)
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.norm_codes import decode_norms, encode_norms
 
@@ -68,6 +74,36 @@ def test_key_logits_equal_rope_of_decoded_keys(rot_dim, adjacent):
     )
     torch.testing.assert_close(torch.from_numpy(got).view_as(want), want, rtol=1e-4, atol=1e-4)
     assert (want - q @ keys.transpose(-1, -2)).abs().max() > 1  # RoPE mattered
+
+
+def test_bfloat16_precision_rounds_the_frame_product():
+    """``precision="bfloat16"``: the logits within bfloat16's rounding of the float32 ones
+    (each product moves by at most 2^-8 of itself); computed in bfloat16 only where
+    ``bf16_products`` says the CPU can, float32 bit for bit elsewhere; and the whole attention
+    takes the same argument."""
+    encs, _ = coded_stream_major(5)
+    s = ROWS * HEADS
+    g = torch.Generator().manual_seed(6)
+    frames = (torch.randn(HEADS, D, D, generator=g) / 8).numpy()
+    q = torch.randn(s, G, D, generator=g).numpy()
+    exact = np.zeros((s, 0, D), np.float32)
+
+    def both(fn, *args, **kw):
+        return [fn(*args, **kw, precision=p) for p in ("float32", "bfloat16")]
+
+    for full, rounded in (
+        both(coded_key_logits, encs, s, q, frames),
+        both(coded_attend, encs, encs, s, q, exact, exact, 0.125, key_frames=frames),
+    ):
+        if not bf16_products(D):
+            np.testing.assert_array_equal(rounded, full)
+            continue
+        worst = np.abs(rounded - full).max()
+        assert 0 < worst <= 2**-7 * np.abs(full).max()
+    with pytest.raises(ValueError, match="precision must be 'float32' or 'bfloat16'"):
+        coded_key_logits(encs, s, q, frames, precision="float16")
+    with pytest.raises(ValueError, match="precision"):
+        coded_attend(encs, encs, s, q, exact, exact, 0.125, precision="fp8")
 
 
 def test_key_and_value_norm_scales():

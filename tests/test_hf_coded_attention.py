@@ -108,11 +108,13 @@ def forwards(model, cache, ids, mask, prefill: int, chunk: int = 25, steps: int 
 
 
 def compare(model, ids, mask, prefill, attend_calls, tol=1e-4, **kw):
+    """The logits of every forward with the coded attention against decoding every block, with
+    the codec's arithmetic in float32 (the bfloat16 frame product has its own test)."""
     dense = forwards(
         model, KakeyaCache.from_model(model, coded_attention=False, **kw), ids, mask, prefill
     )
     assert not attend_calls
-    cache = KakeyaCache.from_model(model, **kw)
+    cache = KakeyaCache.from_model(model, **{"attention_precision": "float32", **kw})
     assert model.config._attn_implementation == "kakeya"
     coded = forwards(model, cache, ids, mask, prefill)
     assert attend_calls and min(attend_calls) > 0  # every forward after the prefill read codes
@@ -148,6 +150,35 @@ def test_coded_attention_matches_decoding(model, attend_calls, cpu_path, kw):
     cache = compare(model, ids, mask, 600, attend_calls, tol, residual_length=64, **kw)
     assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
     assert set(attend_calls) == {512, 576}
+
+
+def test_bfloat16_frame_product_moves_logits_far_less_than_the_codec(model, attend_calls):
+    """``attention_precision="bfloat16"`` rounds the key frame product's inputs where the CPU
+    multiplies bfloat16 natively: every forward's logits then move (RMS) by a small fraction
+    of what the codec itself moves them against DynamicCache, and not at all on a CPU without
+    it. The default is float32; anything else is refused by name."""
+    ids, mask = padded_batch(model.config.vocab_size)
+    kw = {"recipe": RECIPE, "residual_length": 64}
+    exact = forwards(model, DynamicCache(), ids, mask, 600)
+    full_cache = KakeyaCache.from_model(model, **kw)
+    assert full_cache.attention_precision == "float32"
+    full = forwards(model, full_cache, ids, mask, 600)
+    cache = KakeyaCache.from_model(model, attention_precision="bfloat16", **kw)
+    rounded = forwards(model, cache, ids, mask, 600)
+    assert attend_calls
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for e, f, r in list(zip(exact, full, rounded))[1:]:  # the prefill reads no codes
+        if not kt.codec.bf16_products(head_dim):
+            assert torch.equal(r, f)
+            continue
+        # Measured: 0.07-0.11 of the codec's RMS movement.
+        rms = [float((a - b).pow(2).mean().sqrt()) for a, b in ((r, f), (f, e))]
+        assert 0 < rms[0] <= 0.15 * rms[1]
+    with pytest.raises(ValueError, match="attention_precision"):
+        KakeyaCache(model.config, attention_precision="float16")
+    with pytest.raises(TypeError, match="attention_precision"):
+        KakeyaCache(model.config, attention_precision=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +234,14 @@ def test_generate_is_unchanged(model):
     ids, mask = padded_batch(model.config.vocab_size, n=650)
     runs = []
     for coded in (False, True):
-        # Exact hot values: a 1e-6 difference between the paths can flip an int8 rounding.
+        # Exact hot values: a 1e-6 difference between the paths can flip an int8 rounding;
+        # the codec's arithmetic in float32, as in `compare`.
         cache = KakeyaCache.from_model(
-            model, coded_attention=coded, residual_length=64, int8_hot_values=False
+            model,
+            coded_attention=coded,
+            residual_length=64,
+            int8_hot_values=False,
+            attention_precision="float32",
         )
         with torch.inference_mode():
             runs.append(
@@ -282,7 +318,7 @@ def test_crop_into_blocks_after_coded_steps_matches_decoding(model, attend_calls
     """A forward over the codes keeps the layer's blocks as attention reads them; cropping into
     the blocks must drop that, or the next forward reads blocks that are gone."""
     ids, mask = padded_batch(model.config.vocab_size)
-    kw = {"recipe": RECIPE, "residual_length": 64}
+    kw = {"recipe": RECIPE, "residual_length": 64, "attention_precision": "float32"}
     runs = []
     for coded in (False, True):
         cache = KakeyaCache.from_model(model, coded_attention=coded, **kw)

@@ -198,8 +198,14 @@ def test_decoded_budget_is_bounded_and_counted(model, ids):
     assert rep["total_bytes"] == tensors + pipe.frame_bytes() + enc_bytes + norms
     assert rep["decoded_cache_budget_bytes"] == 3 * per_block + 7
 
-    # Decoded blocks kept under the budget give the same attention inputs as decoding afresh.
-    no_budget = fill(model, ids, KakeyaCache.from_model(model, k_params=k), steps=4)
+    # Decoded blocks kept under the budget give the same attention inputs as decoding afresh
+    # (the codec's attention over the codes, in float32 arithmetic).
+    no_budget = fill(
+        model,
+        ids,
+        KakeyaCache.from_model(model, k_params=k, attention_precision="float32"),
+        steps=4,
+    )
     with torch.inference_mode():
         a = model(ids[:, -1:], **{CACHE_ARG: cache}, use_cache=True).logits
         b = model(ids[:, -1:], **{CACHE_ARG: no_budget}, use_cache=True).logits
@@ -219,7 +225,10 @@ def test_whole_layer_budget_uses_one_decoded_buffer(model, ids):
     k = kt.CodecParams(block_size=64)
     # Exact hot values: the buffer reads a forward's own new tokens as the window holds them
     # (int8 rows by default), decoding every step reads them as they came.
-    kw = dict(k_params=k, residual_length=32, int8_hot_values=False)
+    # The codec's attention over the codes (without the buffer) in float32 arithmetic.
+    kw = dict(
+        k_params=k, residual_length=32, int8_hot_values=False, attention_precision="float32"
+    )
     big = fill(
         model, ids, KakeyaCache.from_model(model, decoded_cache_bytes=1 << 30, **kw), steps=60
     )

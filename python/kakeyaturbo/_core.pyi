@@ -8,7 +8,7 @@ import numpy.typing as npt
 __all__ = [
     "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
     "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
-    "coded_value_sums", "coded_attend", "decode_batch", "decode_norm_codes",
+    "coded_value_sums", "coded_attend", "bf16_products", "decode_batch", "decode_norm_codes",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
     "share_torch_threads", "stage_errors", "wht_rotate",
 ]
@@ -159,6 +159,7 @@ def coded_key_logits(
     frames: Optional[npt.NDArray[np.float32]] = None,
     rotation: Optional[npt.NDArray[np.float32]] = None,
     norms: Optional[_Norms] = None,
+    precision: str = "float32",
 ) -> npt.NDArray[np.float32]: ...
 def coded_value_sums(
     encs: Sequence[EncodedLayer],
@@ -190,7 +191,9 @@ def coded_attend(
     exact_queries: Optional[npt.NDArray[np.float32]] = None,
     key_scales: Optional[npt.NDArray[np.float32]] = None,
     value_scales: Optional[npt.NDArray[np.float32]] = None,
+    precision: str = "float32",
 ) -> npt.NDArray[np.float32]: ...
+def bf16_products(head_dim: int) -> bool: ...
 def decode_norm_codes(norms: _Norms, streams: int) -> npt.NDArray[np.float32]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...
 def fit_codebook(samples: npt.NDArray[Any], bits: int, iters: int = 100) -> list[float]: ...

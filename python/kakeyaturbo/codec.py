@@ -260,6 +260,7 @@ def coded_key_logits(
     frames: Optional[np.ndarray] = None,
     rotation: Optional[np.ndarray] = None,
     norms: Optional[np.ndarray] = None,
+    precision: str = "float32",
 ) -> np.ndarray:
     """Attention logits ``[streams, g, tokens]`` of ``queries`` ``[streams, g, head_dim]``
     against coded keys, without a decoded copy: ``q . rope_t(y_t @ frames[s % heads]) *
@@ -267,8 +268,20 @@ def coded_key_logits(
     stream's blocks in token order; ``frames`` ``[heads, head_dim, head_dim]`` (None:
     identity); ``rotation`` ``[rows or 1, tokens, 2, pairs]``, the cosines then the sines
     turning channels ``(i, i + pairs)`` (None: no RoPE); ``norms`` ``[streams, tokens]`` (None:
-    no scale). float32, C-contiguous."""
-    return _core.coded_key_logits(_raws(encs), streams, queries, frames, rotation, norms)
+    no scale). float32, C-contiguous. ``precision``: the frame product's arithmetic, the
+    costliest part: ``"float32"``, or ``"bfloat16"`` (``y_t`` and the frame rounded to bfloat16,
+    float32 sums) where :func:`bf16_products` says the CPU multiplies bfloat16 natively (twice
+    the rate; float32 elsewhere)."""
+    return _core.coded_key_logits(
+        _raws(encs), streams, queries, frames, rotation, norms, precision=precision
+    )
+
+
+def bf16_products(head_dim: int) -> bool:
+    """Whether ``precision="bfloat16"`` multiplies in bfloat16 on this CPU for coded streams of
+    ``head_dim`` coordinates (AVX512-BF16, ``head_dim`` a multiple of 16); where it does not,
+    that precision runs the float32 product."""
+    return _core.bf16_products(head_dim)
 
 
 def coded_value_sums(
@@ -313,6 +326,7 @@ def coded_attend(
     exact_queries: Optional[np.ndarray] = None,
     key_scales: Optional[np.ndarray] = None,
     value_scales: Optional[np.ndarray] = None,
+    precision: str = "float32",
 ) -> np.ndarray:
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
@@ -333,7 +347,8 @@ def coded_attend(
     ``[streams, rows, head_dim]`` each row over its own head's channels, in the exact keys'
     order; the exact runs ``[streams * heads, exact, head_dim]``; ``value_frames`` ``[heads,
     heads * head_dim, head_dim]``; ``key_scales`` / ``value_scales`` ``[streams, heads,
-    tokens]`` each head's scale of the coded keys and values (None: 1)."""
+    tokens]`` each head's scale of the coded keys and values (None: 1). ``precision``: the key
+    frame product's arithmetic, as for :func:`coded_key_logits`."""
     return _core.coded_attend(
         _raws(key_encs),
         _raws(value_encs),
@@ -353,4 +368,5 @@ def coded_attend(
         exact_queries=exact_queries,
         key_scales=key_scales,
         value_scales=value_scales,
+        precision=precision,
     )

@@ -375,13 +375,15 @@ class Pipeline:
         queries: torch.Tensor,
         frames: Optional[torch.Tensor],
         rotation: Optional[torch.Tensor],
+        precision: str = "float32",
     ) -> torch.Tensor:
         """Attention logits ``[rows, H, G, T]`` of ``queries`` ``[rows, H, G, D]`` against the
         keys coded in ``blocks``, computed by the codec block by block with no decoded copy:
         ``q . rope_t(y_t @ frames[h])``, times the token-norm scale of :meth:`decode_codes`.
         ``frames`` ``[H, D, D]`` (None: identity); ``rotation`` ``[rows or 1, T, 2, pairs]``,
         the cosines then the sines turning channel pairs ``(i, i + pairs)`` (None: no RoPE).
-        CPU float32."""
+        ``precision``: the frame product's arithmetic (``codec.coded_key_logits``). CPU
+        float32."""
         run = self.run_of(blocks, "k")
         h, g, streams = queries.shape[1], queries.shape[2], run.streams
         logits = _codec.coded_key_logits(
@@ -391,6 +393,7 @@ class Pipeline:
             _np_or_none(frames),
             _np_or_none(rotation),
             run.norms,
+            precision=precision,
         )
         return torch.from_numpy(logits).view(rows, h, g, -1)
 
@@ -425,6 +428,7 @@ class Pipeline:
         exact_queries: Optional[torch.Tensor] = None,
         key_scales: Optional[torch.Tensor] = None,
         value_scales: Optional[torch.Tensor] = None,
+        precision: str = "float32",
     ) -> torch.Tensor:
         """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
         keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
@@ -434,7 +438,8 @@ class Pipeline:
         order, and a bfloat16 run is read as held, with no float32 copy).
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
-        few query rows of a decode step. CPU float32.
+        few query rows of a decode step. ``precision``: the key frame product's arithmetic
+        (``codec.coded_key_logits``). CPU float32.
 
         Blocks coded across ``heads`` KV heads (one stream of ``heads * D`` coordinates per
         row): ``queries`` ``[rows, 1, G, heads * D]`` are the wide queries in the key frame's
@@ -470,6 +475,7 @@ class Pipeline:
             exact_queries=_np_or_none(exact_queries),
             key_scales=_np_or_none(key_scales),
             value_scales=_np_or_none(value_scales),
+            precision=precision,
         )
         return torch.from_numpy(out).view(rows, h, g, d)
 

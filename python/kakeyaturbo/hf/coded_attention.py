@@ -241,6 +241,7 @@ class CodedView:
             value_frames=pipe.frame_inverse(li, "v"),
             bias=bias,
             softcap=softcap,
+            precision=lay._ctx.attention_precision,
         )
 
     def _joint_attend(
@@ -269,6 +270,7 @@ class CodedView:
             exact_queries=q,
             key_scales=pipe.joint_scales(self.held.keys) if norms("k") else None,
             value_scales=pipe.joint_scales(self.held.values) if norms("v") else None,
+            precision=lay._ctx.attention_precision,
         )
 
     def _codec_logits(self, q: torch.Tensor, kb: BlockRun) -> torch.Tensor:
@@ -282,7 +284,8 @@ class CodedView:
             qf = q if frame is None else q @ frame.transpose(-1, -2)
             return pipe.key_logits(kb, q.shape[0], qf, None, None)
         frame, (q,) = self._split_layout(frame, q)
-        return pipe.key_logits(kb, q.shape[0], q, frame, self._rotation("split"))
+        rotation, precision = self._rotation("split"), lay._ctx.attention_precision
+        return pipe.key_logits(kb, q.shape[0], q, frame, rotation, precision)
 
     def _joint_logits(self, q: torch.Tensor, kernels: bool) -> torch.Tensor:
         """:meth:`_codec_logits` of blocks coded across heads (``[B, H, g*Tq, coded]``): by the
@@ -298,7 +301,8 @@ class CodedView:
             keys = pipe.decode(self.held.stored("k", q.device), li, "k", b, pos)
             return q @ keys.transpose(-1, -2)
         wide, frame, rotation = self._joint_query(q)
-        logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation)
+        precision = lay._ctx.attention_precision
+        logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation, precision)
         logits = logits.view(b, h, rows, -1)
         if pipe.recipe.token_norms("k"):
             logits = logits * pipe.joint_scales(self.held.keys)[:, :, None]

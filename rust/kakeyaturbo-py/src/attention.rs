@@ -3,7 +3,7 @@
 
 use half::f16;
 use kakeyaturbo::coded_attention::{
-    self as core, Attend, CodedStreams, ExactPiece, Joint, Lanes, Norms, RopeAngles,
+    self as core, Attend, CodedStreams, ExactPiece, Joint, Lanes, Norms, Precision, RopeAngles,
 };
 use kakeyaturbo::EncodedLayer;
 use numpy::ndarray::Dimension;
@@ -179,6 +179,24 @@ fn layers<'a>(encs: &'a [Bound<'_, PyEncodedLayer>]) -> Vec<&'a EncodedLayer> {
     encs.iter().map(|e| &e.get().inner).collect()
 }
 
+/// The key frame product's arithmetic from its Python name.
+fn precision_arg(name: &str) -> PyResult<Precision> {
+    match name {
+        "float32" => Ok(Precision::F32),
+        "bfloat16" => Ok(Precision::Bf16),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "precision must be 'float32' or 'bfloat16', got {name:?}"
+        ))),
+    }
+}
+
+/// Whether `precision="bfloat16"` multiplies in bfloat16 on this CPU for coded streams of
+/// `head_dim` coordinates (AVX512-BF16 and a multiple of 16); where not, it runs float32.
+#[pyfunction]
+pub fn bf16_products(head_dim: usize) -> bool {
+    core::bf16_products(head_dim)
+}
+
 fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Bound<'py, PyAny>> {
     Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any())
 }
@@ -188,9 +206,12 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// `q . rope_t(y_t @ frames[s % heads]) * norms[s, t] / |y_t|`. `frames`: `[heads, head_dim,
 /// head_dim]` (None: identity); `rotation`: `[rows or 1, tokens, 2, pairs]`, the cosines then
 /// the sines turning channel pairs `(i, i + pairs)` (None: no RoPE); `norms`: `[streams,
-/// tokens]` or norm codes (None: scale 1).
+/// tokens]` or norm codes (None: scale 1). `precision`: the frame product's arithmetic,
+/// "float32" or "bfloat16" (inputs rounded to bfloat16, float32 sums, where `bf16_products`).
 #[pyfunction]
-#[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None))]
+#[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None,
+    precision="float32"))]
+#[allow(clippy::too_many_arguments)]
 pub fn coded_key_logits<'py>(
     py: Python<'py>,
     encs: Vec<Bound<'py, PyEncodedLayer>>,
@@ -199,7 +220,9 @@ pub fn coded_key_logits<'py>(
     frames: Option<&Bound<'py, PyAny>>,
     rotation: Option<&Bound<'py, PyAny>>,
     norms: Option<&Bound<'py, PyAny>>,
+    precision: &str,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let precision = precision_arg(precision)?;
     let refs = layers(&encs);
     let coded = CodedStreams::new(&refs, streams).map_err(to_py)?;
     let q = f32_array::<numpy::Ix3>(queries, "queries")?;
@@ -211,7 +234,7 @@ pub fn coded_key_logits<'py>(
     let ns = norms_view(&norms)?;
     let t_n = coded.tokens();
     let out = workers::detach(py, || {
-        core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g)
+        core::key_logits(&coded, fs, rot.as_ref(), ns.as_ref(), qs, g, precision)
     })
     .map_err(to_py)?;
     output(py, out, [streams, g, t_n])
@@ -257,10 +280,12 @@ pub fn coded_value_sums<'py>(
 /// runs `[streams * heads, exact, head_dim]`; `value_frames` `[heads, heads * head_dim,
 /// head_dim]`; `key_scales` / `value_scales` `[streams, heads, tokens]` each head's scale of
 /// the coded keys / values (None: 1). The output is then `[streams, rows, head_dim]`.
+/// `precision`: the key frame product's arithmetic, as for `coded_key_logits`.
 #[pyfunction]
 #[pyo3(signature = (key_encs, value_encs, streams, queries, exact_keys, exact_values, scaling, *,
     key_frames=None, rotation=None, key_norms=None, value_frames=None, value_norms=None,
-    bias=None, softcap=None, heads=1, exact_queries=None, key_scales=None, value_scales=None))]
+    bias=None, softcap=None, heads=1, exact_queries=None, key_scales=None, value_scales=None,
+    precision="float32"))]
 #[allow(clippy::too_many_arguments)]
 pub fn coded_attend<'py>(
     py: Python<'py>,
@@ -282,7 +307,9 @@ pub fn coded_attend<'py>(
     exact_queries: Option<&Bound<'py, PyAny>>,
     key_scales: Option<&Bound<'py, PyAny>>,
     value_scales: Option<&Bound<'py, PyAny>>,
+    precision: &str,
 ) -> PyResult<Bound<'py, PyAny>> {
+    let precision = precision_arg(precision)?;
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
     let keys = CodedStreams::new(&krefs, streams).map_err(|e| to_py_in("key_encs", e))?;
     let values = CodedStreams::new(&vrefs, streams).map_err(|e| to_py_in("value_encs", e))?;
@@ -357,6 +384,7 @@ pub fn coded_attend<'py>(
         scaling,
         softcap,
         joint,
+        precision,
     };
     let d = keys.head_dim() / heads; // heads >= 1: refused above
     let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;

@@ -30,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::coded_value_sums, m)?)?;
     m.add_function(wrap_pyfunction!(attention::coded_attend, m)?)?;
     m.add_function(wrap_pyfunction!(attention::decode_norm_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -58,6 +59,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "KakeyaTurboError",
             "UnsupportedVersionError",
             "codec_params_defaults",
+            "bf16_products",
             "coded_attend",
             "coded_key_logits",
             "coded_value_sums",

@@ -25,7 +25,7 @@ use criterion::{
 };
 use kakeyaturbo::bitpack::{pack_into, packed_len, unpack};
 use kakeyaturbo::coded_attention::{
-    attend, key_logits, value_sums, Attend, CodedStreams, ExactPiece, Norms, RopeAngles,
+    attend, key_logits, value_sums, Attend, CodedStreams, ExactPiece, Norms, Precision, RopeAngles,
 };
 use kakeyaturbo::lloyd_max::gaussian;
 use kakeyaturbo::wht::Rotation;
@@ -318,12 +318,14 @@ fn bench_recipe(c: &mut Criterion) {
 }
 
 /// Attention over coded blocks as `KakeyaCache` runs it at 4k tokens: 3 KV-head streams of
-/// 4,096 tokens in 256-token blocks, 3 query rows per stream (GQA), one thread. `decode` is
-/// the floor (every block decoded into a reused buffer); `key_logits` adds the frame product,
-/// RoPE and the dots, `key_logits_no_frame` only RoPE and the dots, `value_sums` the norm scale
-/// and the weighted sums, `attend` both kernels with the softmax and an exact part between
-/// them (the decoded bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes decoded, so each reads as a ratio to
-/// `decode` in the same run.
+/// 4,096 tokens in 256-token blocks, 3 query rows per stream (GQA), one thread; `D192` is a
+/// stream's width with three heads of 64 coded together. `decode` is the floor (every block
+/// decoded into a reused buffer); `key_logits` adds the frame product, RoPE and the dots
+/// (`key_logits_bf16`: the frame product in bfloat16, where the CPU has AVX512-BF16),
+/// `key_logits_no_frame` only RoPE and the dots, `value_sums` the norm scale and the weighted
+/// sums, `attend` both kernels with the softmax and an exact part between them (the decoded
+/// bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes
+/// decoded, so each reads as a ratio to `decode` in the same run.
 fn bench_coded_attention(c: &mut Criterion) {
     const STREAMS: usize = 3;
     const ROWS: usize = 3;
@@ -332,7 +334,7 @@ fn bench_coded_attention(c: &mut Criterion) {
         .build()
         .expect("a one-thread pool");
     let mut g = group(c, "coded_attention");
-    for d in DIMS {
+    for d in [64, 128, 192] {
         let p = recipe_params();
         let blocks = LAYER_TOKENS / RECIPE_BLOCK;
         let encs: Vec<EncodedLayer> = (0..STREAMS * blocks)
@@ -368,11 +370,17 @@ fn bench_coded_attention(c: &mut Criterion) {
             pairs: d / 2,
         };
         let frame = Some((&frames[..], STREAMS));
+        let logits = |frame, precision| {
+            key_logits(&coded, frame, Some(&rotation), None, &q, ROWS, precision)
+        };
         g.bench_function(id("key_logits_1t"), |b| {
-            one.install(|| b.iter(|| key_logits(&coded, frame, Some(&rotation), None, &q, ROWS)))
+            one.install(|| b.iter(|| logits(frame, Precision::F32)))
+        });
+        g.bench_function(id("key_logits_bf16_1t"), |b| {
+            one.install(|| b.iter(|| logits(frame, Precision::Bf16)))
         });
         g.bench_function(id("key_logits_no_frame_1t"), |b| {
-            one.install(|| b.iter(|| key_logits(&coded, None, Some(&rotation), None, &q, ROWS)))
+            one.install(|| b.iter(|| logits(None, Precision::F32)))
         });
         g.bench_function(id("value_sums_1t"), |b| {
             one.install(|| b.iter(|| value_sums(&coded, &w, Some(&Norms::Values(&norms)), ROWS)))
@@ -394,6 +402,7 @@ fn bench_coded_attention(c: &mut Criterion) {
             scaling: 0.125,
             softcap: None,
             joint: None,
+            precision: Precision::F32,
         };
         g.bench_function(id("attend_1t"), |b| {
             one.install(|| b.iter(|| attend(&coded, &coded, &whole())))

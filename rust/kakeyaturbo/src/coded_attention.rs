@@ -22,13 +22,14 @@
 //! what a portable wheel is built for) and, picked at run time, with AVX and FMA, whose dot
 //! product is written with AVX intrinsics (the compiler's own was two lanes wide).
 
-use std::borrow::Cow;
+use std::cell::RefCell;
 
 use crate::codec::{decode_layer_into, EncodedLayer};
 use crate::error::{Error, Result};
 use crate::parallel;
 
 mod attend;
+mod bf16;
 mod norms;
 
 pub use attend::{attend, Attend, ExactPiece, Joint, Lanes};
@@ -36,6 +37,24 @@ pub use norms::{decode_codes as decode_norm_codes, Norms};
 
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
 const MIN_NORM: f32 = 1e-12;
+
+/// The arithmetic of [`key_logits`]' frame product, its costliest part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// float32 products and sums.
+    #[default]
+    F32,
+    /// bfloat16 inputs (rounded to nearest even), float32 sums: twice the rate where the CPU
+    /// multiplies bfloat16 pairs natively (AVX512-BF16) and the head dim is a multiple of 16;
+    /// float32 everywhere else. See [`bf16_products`].
+    Bf16,
+}
+
+/// Whether [`Precision::Bf16`] multiplies in bfloat16 on this CPU for head dim `d` (else it
+/// runs the float32 product).
+pub fn bf16_products(d: usize) -> bool {
+    bf16::available() && bf16::fits(d)
+}
 
 /// Coded streams as the kernels take them: `streams` streams one after the other, each
 /// stream's blocks in token order, every stream with the same block lengths and head dim.
@@ -182,7 +201,8 @@ pub struct RopeAngles<'a> {
 /// Logits `[streams, g, tokens]` of the queries `[streams, g, d]` against the coded keys:
 /// `q[s, j] . rope_t(y_t M_h) * scale_t` with `M_h` the `h`-th of `frames` (`[heads, d, d]`,
 /// `None`: the identity), RoPE turning channels `(i, i + pairs)` for `i < pairs` as complex
-/// numbers, and `scale_t = norm_t / |y_t|` when `norms` is given.
+/// numbers, and `scale_t = norm_t / |y_t|` when `norms` is given. `precision`: the frame
+/// product's arithmetic.
 pub fn key_logits(
     coded: &CodedStreams<'_>,
     frames: Option<(&[f32], usize)>,
@@ -190,6 +210,7 @@ pub fn key_logits(
     norms: Option<&Norms<'_>>,
     queries: &[f32],
     g: usize,
+    precision: Precision,
 ) -> Result<Vec<f32>> {
     let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
     check_len(
@@ -216,9 +237,16 @@ pub fn key_logits(
     if let Some(nm) = norms {
         nm.check(coded)?;
     }
+    // The frames as bfloat16 pairs, once per call (a few microseconds for 192 x 192).
+    let pairs = frames
+        .filter(|_| precision == Precision::Bf16 && bf16_products(d))
+        .map(|(m, heads)| (bf16::pack_pairs(m, d), heads));
     let parts = coded.map_blocks(|s, b, y, t0| {
         let n = y.len() / d;
         let m = frame_of(frames, s, d);
+        let mp = pairs
+            .as_ref()
+            .map(|(p, heads)| &p[(s % heads) * d * d / 2..][..d * d / 2]);
         let rot = rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
             let w = 2 * r.pairs;
@@ -227,7 +255,7 @@ pub fn key_logits(
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
-        run_block_logits((y, d, m, rot, nm.as_deref(), q, g), &mut out);
+        run_block_logits((y, d, m, mp, rot, nm.as_deref(), q, g), &mut out);
         Ok(out)
     })?;
     let nb = coded.blocks();
@@ -376,13 +404,7 @@ impl<'m> BlockFrame<'m> {
     #[inline(always)]
     fn new<const FMA: bool>(y: &[f32], d: usize, m: &'m [f32]) -> Self {
         let first = &y[..d];
-        let mut varies = vec![false; d];
-        for yt in y.chunks_exact(d).skip(1) {
-            for ((v, &a), &b) in varies.iter_mut().zip(yt).zip(first) {
-                // `!=` also marks NaN as varying: it then reaches the product as before.
-                *v |= a != b;
-            }
-        }
+        let varies = varying_mask(y, d);
         let varying: Vec<usize> = (0..d).filter(|&j| varies[j]).collect();
         let mut fixed = vec![0.0f32; d];
         for j in (0..d).filter(|&j| !varies[j] && first[j] != 0.0) {
@@ -479,6 +501,20 @@ impl<'m> BlockFrame<'m> {
     }
 }
 
+/// Which of a decoded block's `d` coordinates (`y` is `n x d`) are not the same for every token.
+#[inline(always)]
+fn varying_mask(y: &[f32], d: usize) -> Vec<bool> {
+    let first = &y[..d];
+    let mut varies = vec![false; d];
+    for yt in y.chunks_exact(d).skip(1) {
+        for ((v, &a), &b) in varies.iter_mut().zip(yt).zip(first) {
+            // `!=` also marks NaN as varying: it then reaches the product as before.
+            *v |= a != b;
+        }
+    }
+    varies
+}
+
 /// Tokens per tile of [`BlockFrame::product`] in the AVX + FMA build: 6 tokens by 16 columns
 /// are 12 accumulators, with the row's two registers and a broadcast 15 of the 16.
 #[cfg(target_arch = "x86_64")]
@@ -529,11 +565,13 @@ fn token_scale<const FMA: bool>(norms: Option<&[f32]>, t: usize, y: &[f32]) -> f
     }
 }
 
-/// `(decoded block, head dim, frame, (rotation, pairs), norms, queries, query rows)`.
+/// `(decoded block, head dim, frame, frame as bfloat16 pairs, (rotation, pairs), norms,
+/// queries, query rows)`.
 type LogitArgs<'a> = (
     &'a [f32],
     usize,
     Option<&'a [f32]>,
+    Option<&'a [u32]>,
     Option<(&'a [f32], usize)>,
     Option<&'a [f32]>,
     &'a [f32],
@@ -555,32 +593,52 @@ type SumArgs<'a> = (
 /// (frame product, RoPE), then every query row is dotted with them eight tokens at a time.
 #[inline(always)]
 fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
-    let (y, d, m, rot, norms, q, g) = args;
+    KEYS.with_borrow_mut(|buf| block_logits_in::<FMA>(args, out, buf));
+}
+
+thread_local! {
+    /// A block's keys, reused by every block this thread computes: a fresh buffer per block
+    /// (192 KB for 256 tokens across three heads) was an allocation the size of an `mmap`,
+    /// page faults and zeroing, about a tenth of a decode step's cycles.
+    static KEYS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`block_logits`] with `buf` to hold the keys.
+#[inline(always)]
+fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &mut Vec<f32>) {
+    let (y, d, m, m_pairs, rot, norms, q, g) = args;
     let n = y.len() / d;
+    let rot = rot.filter(|&(_, pairs)| pairs > 0);
     // Without a frame the decoded block is the keys (copied only if RoPE turns them).
-    let mut keys = match m {
-        Some(m) => {
-            let mut keys = vec![0.0f32; n * d];
-            BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, &mut keys);
-            Cow::Owned(keys)
-        }
-        None => Cow::Borrowed(y),
-    };
-    if let Some((r, pairs)) = rot.filter(|&(_, pairs)| pairs > 0) {
-        for (k, rt) in keys
-            .to_mut()
-            .chunks_exact_mut(d)
-            .zip(r.chunks_exact(2 * pairs))
-        {
-            let (cos, sin) = rt.split_at(pairs);
-            let (re, rest) = k.split_at_mut(pairs);
-            for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
-                (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+    let keys: &[f32] = match (m, rot) {
+        (None, None) => y,
+        _ => {
+            // Grown, never cleared: the product or the copy writes all of its first `n d`.
+            if buf.len() < y.len() {
+                buf.resize(y.len(), 0.0);
             }
+            let own = &mut buf[..y.len()];
+            match (m, m_pairs) {
+                (Some(m), Some(mp)) => bf16::product(y, d, m, mp, own),
+                (Some(m), None) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
+                (None, _) => own.copy_from_slice(y),
+            }
+            if let Some((r, pairs)) = rot {
+                for (k, rt) in own.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
+                    let (cos, sin) = rt.split_at(pairs);
+                    let (re, rest) = k.split_at_mut(pairs);
+                    for (((a, b), &c), &s) in
+                        re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin)
+                    {
+                        (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+                    }
+                }
+            }
+            own
         }
-    }
+    };
     for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
-        dots::<FMA>(qj, &keys, o);
+        dots::<FMA>(qj, keys, o);
     }
     if norms.is_some() {
         for (t, yt) in y.chunks_exact(d).enumerate() {
@@ -599,10 +657,16 @@ fn dots<const FMA: bool>(q: &[f32], keys: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if FMA && d.is_multiple_of(8) {
+        // The 8-channel chunks where `q` is not zero: a wide query of streams coded across
+        // heads is zero outside its own head's channels (two thirds of them with three heads).
+        let chunks: Vec<usize> = (0..d)
+            .step_by(8)
+            .filter(|&c| q[c..c + 8].iter().any(|&x| x != 0.0))
+            .collect();
         for (k8, o8) in keys.chunks_exact(8 * d).zip(out.chunks_exact_mut(8)) {
             #[allow(unsafe_code)]
             // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`).
-            let sums = unsafe { dots8_avx_fma(q, k8) };
+            let sums = unsafe { dots8_avx_fma(q, k8, &chunks) };
             o8.copy_from_slice(&sums);
             done += 8;
         }
@@ -785,18 +849,20 @@ fn dot_avx_fma(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `q . k_t` for the eight rows `k_t` of `keys` (`8 x d`, `d = q.len()` a multiple of 8): one
-/// accumulator per row, the eight reduced together by horizontal adds (one reduction per
-/// row cost more than the row's products).
+/// `q . k_t` for the eight rows `k_t` of `keys` (`8 x d`, `d = q.len()` a multiple of 8) over
+/// the 8-channel `chunks` of `q` that are not zero (their first channels; the others add
+/// nothing to a finite key's dot): one accumulator per row, the eight reduced together by
+/// horizontal adds (one reduction per row cost more than the row's products).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,fma")]
 #[allow(unsafe_code)]
-fn dots8_avx_fma(q: &[f32], keys: &[f32]) -> [f32; 8] {
+fn dots8_avx_fma(q: &[f32], keys: &[f32], chunks: &[usize]) -> [f32; 8] {
     use std::arch::x86_64::*;
     let d = q.len();
     assert!(d.is_multiple_of(8) && keys.len() >= 8 * d);
+    assert!(chunks.iter().all(|&c| c + 8 <= d));
     let mut acc = [_mm256_setzero_ps(); 8];
-    for c in (0..d).step_by(8) {
+    for &c in chunks {
         // SAFETY (every load): `c + 8 <= d`, and row `t < 8` of `keys` holds `d` values.
         let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
         for (t, a) in acc.iter_mut().enumerate() {

@@ -17,7 +17,7 @@
 
 use super::{
     axpy, check_frames, check_len, dot, key_logits, times_frame, value_sums, with_avx_fma,
-    CodedStreams, Norms, RopeAngles,
+    CodedStreams, Norms, Precision, RopeAngles,
 };
 use crate::error::{Error, Result};
 use crate::parallel;
@@ -136,6 +136,8 @@ pub struct Attend<'a> {
     pub softcap: Option<f32>,
     /// Streams coded across heads (None: a stream is one head).
     pub joint: Option<Joint<'a>>,
+    /// The arithmetic of the key frame product (see [`key_logits`]).
+    pub precision: Precision,
 }
 
 /// The attention output `[S, R, D]`: `softmax(scaling * [coded logits | q . k_exact] + bias)`
@@ -217,6 +219,7 @@ pub fn attend(
         a.key_norms.as_ref(),
         a.queries,
         r,
+        a.precision,
     )?;
     if r == 0 {
         return Ok(Vec::new());

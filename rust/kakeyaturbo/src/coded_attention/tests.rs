@@ -158,6 +158,7 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
             Some(&Norms::Values(&norms)),
             &q,
             g,
+            Precision::F32,
         )
         .unwrap();
         let want = reference_logits(
@@ -166,7 +167,7 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
         assert_close(&got, &want, &format!("logits d={d}"));
 
         // No frame, no rotation, no norms: plain dots with the decoded codes.
-        let got = key_logits(&c, None, None, None, &q, g).unwrap();
+        let got = key_logits(&c, None, None, None, &q, g, Precision::F32).unwrap();
         for s in 0..streams {
             for j in 0..g {
                 for t in 0..t_n {
@@ -247,6 +248,7 @@ fn fused_and_separate_multiply_adds_agree() {
         &y[..],
         d,
         Some(&m[..]),
+        None,
         Some((&rot[..], 20)),
         Some(&norms[..]),
         &q[..],
@@ -265,6 +267,115 @@ fn fused_and_separate_multiply_adds_agree() {
 }
 
 #[test]
+fn bf16_bits_round_to_nearest_even() {
+    let up = |b: u32| f32::from_bits(b);
+    assert_eq!(bf16::bf16_bits(1.0), 0x3F80);
+    // Exactly halfway between 0x3F80 and 0x3F81: to the even one; just above: up.
+    assert_eq!(bf16::bf16_bits(up(0x3F80_8000)), 0x3F80);
+    assert_eq!(bf16::bf16_bits(up(0x3F81_8000)), 0x3F82);
+    assert_eq!(bf16::bf16_bits(up(0x3F80_8001)), 0x3F81);
+    assert_eq!(bf16::bf16_bits(-2.5), 0xC020);
+    assert_eq!(bf16::bf16_bits(f32::INFINITY), 0x7F80);
+    assert_eq!(bf16::bf16_bits(f32::MAX), 0x7F80); // rounds past the largest bfloat16
+    assert!(f32::from_bits((bf16::bf16_bits(f32::NAN) as u32) << 16).is_nan());
+    let packed = bf16::pack_pairs(&[1.0, 2.0, -3.0, 0.5], 2);
+    // Column 0 pairs M[0, 0] = 1 (low) with M[1, 0] = -3 (high); column 1 pairs 2 with 0.5.
+    assert_eq!(packed, vec![0xC040_3F80, 0x3F00_4000]);
+}
+
+/// `c M + (y_t - c) M` with the block's centre `c` in float32 and the residuals and `M`
+/// rounded to bfloat16, float64 sums; `sum_j |y_tj M_jc|`; `sum_j |(y_tj - c_j) M_jc|`.
+fn bf16_reference(y: &[f32], m: &[f32], d: usize) -> [Vec<f64>; 3] {
+    let round = |x: f32| f32::from_bits((bf16::bf16_bits(x) as u32) << 16) as f64;
+    let (_, centre, _) = bf16::split_pairs(y, d, m);
+    let mut out = [(); 3].map(|_| vec![0.0f64; y.len()]);
+    for (t, yt) in y.chunks_exact(d).enumerate() {
+        for (j, (&a, &c)) in yt.iter().zip(&centre).enumerate() {
+            let r = a - c; // as the kernel subtracts, in float32
+            for (k, &x) in m[j * d..][..d].iter().enumerate() {
+                let i = t * d + k;
+                out[0][i] += c as f64 * x as f64 + round(r) * round(x);
+                out[1][i] += (a as f64 * x as f64).abs();
+                out[2][i] += (r as f64 * x as f64).abs();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn bf16_frame_product_sums_rounded_pairs_in_float32() {
+    if !bf16::available() {
+        eprintln!("skipped: this CPU has no AVX512-BF16 (Precision::Bf16 runs float32 here)");
+        return;
+    }
+    // 13 tokens: a tile of 8, then five alone. Coordinates held fixed across the block: a whole
+    // pair (4, 5), one of a pair (8), a zero pair (10, 11); two varying on a large mean (2, 3).
+    for d in [16, 64, 192] {
+        let n = 13;
+        let mut y = normals(n * d, 21 + d as u64);
+        for yt in y.chunks_exact_mut(d) {
+            (yt[4], yt[5], yt[8], yt[10], yt[11]) = (0.75, -1.25, 2.0, 0.0, 0.0);
+            (yt[2], yt[3]) = (yt[2] + 300.0, yt[3] - 200.0);
+        }
+        let m = normals(d * d, 22);
+        let pairs = bf16::pack_pairs(&m, d);
+        // The CPU's conversion, 16 at a time, rounds as `bf16_bits`.
+        assert_eq!(pairs, bf16::pack_pairs_scalar(&m, d), "d={d}");
+        let mut out = vec![0.0f32; n * d];
+        bf16::product(&y, d, &m, &pairs, &mut out);
+        let [want, mass, spread] = bf16_reference(&y, &m, d);
+        let (mut worst_rounding, mut worst_sum) = (0.0f64, 0.0f64);
+        for i in 0..n * d {
+            let exact: f64 = y[i / d * d..][..d]
+                .iter()
+                .enumerate()
+                .map(|(j, &a)| a as f64 * m[j * d + i % d] as f64)
+                .sum();
+            // Each product of a residual is within 2^-8 of its float32 value (the large means
+            // are not rounded); the sums are float32.
+            let err = (out[i] as f64 - exact).abs();
+            assert!(
+                err <= 2f64.powi(-8) * spread[i] + 1e-5 * mass[i],
+                "d={d} [{i}]: {} vs {exact}",
+                out[i]
+            );
+            worst_sum = worst_sum.max((out[i] as f64 - want[i]).abs() / mass[i]);
+            worst_rounding = worst_rounding.max(err / spread[i]);
+        }
+        // Exactly the bfloat16 products of the residuals, summed in float32.
+        assert!(worst_sum < 1e-5, "d={d}: {worst_sum}");
+        // And not float32 products: the rounding shows.
+        assert!(worst_rounding > 1e-4, "d={d}: {worst_rounding}");
+    }
+}
+
+#[test]
+fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
+    let (d, g, lens) = (64, 3, [16, 13]);
+    let (encs, _) = coded(2, &lens, d);
+    let refs: Vec<&EncodedLayer> = encs.iter().collect();
+    let c = CodedStreams::new(&refs, 2).unwrap();
+    let frames = normals(2 * d * d, 5);
+    let q = normals(2 * g * d, 6);
+    let run = |p| key_logits(&c, Some((&frames, 2)), None, None, &q, g, p).unwrap();
+    let (exact, rounded) = (run(Precision::F32), run(Precision::Bf16));
+    if !bf16_products(d) {
+        assert_eq!(
+            exact, rounded,
+            "without AVX512-BF16 the bfloat16 precision is float32"
+        );
+        return;
+    }
+    let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = exact
+        .iter()
+        .zip(&rounded)
+        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst > 0.0 && worst <= 2e-2 * scale, "{worst} of {scale}");
+}
+
+#[test]
 fn mismatched_layouts_and_lengths_are_refused() {
     let (encs, _) = coded(2, &[16, 8], 64);
     let refs: Vec<&EncodedLayer> = encs.iter().collect();
@@ -277,23 +388,32 @@ fn mismatched_layouts_and_lengths_are_refused() {
 
     let c = CodedStreams::new(&refs, 2).unwrap();
     let q = vec![0.0f32; 2 * 64];
-    assert!(key_logits(&c, None, None, None, &q[1..], 1).is_err());
+    assert!(key_logits(&c, None, None, None, &q[1..], 1, Precision::F32).is_err());
     let frames = vec![0.0f32; 3 * 64 * 64];
-    assert!(key_logits(&c, Some((&frames, 3)), None, None, &q, 1).is_err());
+    assert!(key_logits(&c, Some((&frames, 3)), None, None, &q, 1, Precision::F32).is_err());
     let rot = vec![0.0f32; 24 * 33 * 2];
     let too_many = RopeAngles {
         values: &rot,
         rows: 1,
         pairs: 33,
     };
-    assert!(key_logits(&c, None, Some(&too_many), None, &q, 1).is_err());
+    assert!(key_logits(&c, None, Some(&too_many), None, &q, 1, Precision::F32).is_err());
     let short = RopeAngles {
         values: &rot[2..],
         rows: 1,
         pairs: 33,
     };
-    assert!(key_logits(&c, None, Some(&short), None, &q, 1).is_err());
-    assert!(key_logits(&c, None, None, Some(&Norms::Values(&[1.0; 3])), &q, 1).is_err());
+    assert!(key_logits(&c, None, Some(&short), None, &q, 1, Precision::F32).is_err());
+    assert!(key_logits(
+        &c,
+        None,
+        None,
+        Some(&Norms::Values(&[1.0; 3])),
+        &q,
+        1,
+        Precision::F32
+    )
+    .is_err());
     assert!(value_sums(&c, &[0.0; 47], None, 1).is_err());
     assert!(value_sums(&c, &[0.0; 48], Some(&Norms::Values(&[1.0; 47])), 1).is_err());
     assert!(value_sums(&c, &[0.0; 48], None, 1).is_ok());
@@ -610,6 +730,7 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
             scaling: 0.125,
             softcap,
             joint: None,
+            precision: Precision::F32,
         };
         let got = attend(&kc, &vc, &a).unwrap();
         let logits = reference_logits(
@@ -712,6 +833,7 @@ fn attend_across_heads_matches_each_heads_softmax_over_decoded_keys_and_values()
         scaling: 0.25,
         softcap,
         joint: Some(joint()),
+        precision: Precision::F32,
     };
     for softcap in [None, Some(6.0f32)] {
         let a = base(softcap);
@@ -816,6 +938,7 @@ fn attend_refuses_mismatched_inputs() {
         scaling: 1.0,
         softcap: None,
         joint: None,
+        precision: Precision::F32,
     };
     let out = attend(&kc, &vc, &base()).unwrap();
     assert_eq!(out.len(), 2 * 64);

@@ -288,7 +288,8 @@ fn component_values(
     fold: impl Fn(usize, f32) -> f32,
 ) -> Result<(Vec<f32>, Vec<usize>)> {
     let mut offsets = Vec::with_capacity(b.comp_bits.len());
-    let mut values = Vec::new();
+    // Sized up front: grown level by level, it was reallocated several times per block.
+    let mut values = Vec::with_capacity(b.comp_bits.iter().map(|&v| 1usize << v).sum());
     for (j, (&bits, s)) in b.comp_bits.iter().zip(&b.sigma).enumerate() {
         offsets.push(values.len());
         if bits == 0 {
