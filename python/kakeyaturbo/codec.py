@@ -269,9 +269,10 @@ def coded_key_logits(
     identity); ``rotation`` ``[rows or 1, tokens, 2, pairs]``, the cosines then the sines
     turning channels ``(i, i + pairs)`` (None: no RoPE); ``norms`` ``[streams, tokens]`` (None:
     no scale). float32, C-contiguous. ``precision``: the frame product's arithmetic, the
-    costliest part: ``"float32"``, or ``"bfloat16"`` (``y_t`` and the frame rounded to bfloat16,
-    float32 sums) where :func:`bf16_products` says the CPU multiplies bfloat16 natively (twice
-    the rate; float32 elsewhere)."""
+    costliest part: ``"float32"``, or ``"bfloat16"`` (``y_t`` less its block mean, and the frame,
+    rounded to bfloat16; the mean's product and the sums in float32) where
+    :func:`bf16_products` says the CPU multiplies bfloat16 natively (twice the rate; float32
+    elsewhere)."""
     return _core.coded_key_logits(
         _raws(encs), streams, queries, frames, rotation, norms, precision=precision
     )

@@ -207,7 +207,8 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// head_dim]` (None: identity); `rotation`: `[rows or 1, tokens, 2, pairs]`, the cosines then
 /// the sines turning channel pairs `(i, i + pairs)` (None: no RoPE); `norms`: `[streams,
 /// tokens]` or norm codes (None: scale 1). `precision`: the frame product's arithmetic,
-/// "float32" or "bfloat16" (inputs rounded to bfloat16, float32 sums, where `bf16_products`).
+/// "float32" or "bfloat16" (the coordinates less their block mean and the frame rounded to
+/// bfloat16, float32 sums, where `bf16_products`).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None,
     precision="float32"))]

@@ -44,9 +44,10 @@ pub enum Precision {
     /// float32 products and sums.
     #[default]
     F32,
-    /// bfloat16 inputs (rounded to nearest even), float32 sums: twice the rate where the CPU
+    /// The coordinates less their block mean, and the frame, rounded to bfloat16 (to nearest
+    /// even); the mean's product and all sums in float32: twice the rate where the CPU
     /// multiplies bfloat16 pairs natively (AVX512-BF16) and the head dim is a multiple of 16;
-    /// float32 everywhere else. See [`bf16_products`].
+    /// float32 everywhere else (`bf16.rs`, [`bf16_products`]).
     Bf16,
 }
 

@@ -85,8 +85,9 @@ pub(super) fn fits(d: usize) -> bool {
     d > 0 && d.is_multiple_of(16)
 }
 
-/// `out[t] = y_t M` for every token of a decoded block (`y` and `out` are `n x d`), `M` given
-/// in float32 (`d x d`, for the fixed coordinates) and as [`pack_pairs`] (`d / 2 x d`).
+/// `out[t] = y_t M` for every token of a decoded block (`y` and `out` are `n x d`, `n >= 1`),
+/// `M` given in float32 (`d x d`, for the centre's product) and as [`pack_pairs`] (`d / 2 x d`,
+/// for the residuals').
 ///
 /// Panics unless [`available`] and [`fits`]`(d)` hold and the lengths match: the caller
 /// checks the first two, the shapes are the kernel's own.
