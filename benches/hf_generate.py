@@ -308,7 +308,7 @@ def main(argv=None) -> None:
 
     import kakeyaturbo as kt
     from kakeyaturbo.hf import KakeyaCache
-    from kakeyaturbo.modeling import load_model
+    from kakeyaturbo.modeling import kv_geometry, load_model
     from kakeyaturbo.recipes import default_recipe
 
     if args.threads > 0:
@@ -350,9 +350,7 @@ def main(argv=None) -> None:
     if probe.int8_hot_values:
         hot += ", values as int8 rows"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    natively = kt.codec.bf16_products(head_dim)
+    natively = kt.codec.bf16_products(kv_geometry(model.config).head_dim)
     print(
         f"kakeya attention precision: {probe.attention_precision} (bfloat16 products on this "
         f"CPU: {'yes' if natively else 'no'})"

@@ -20,7 +20,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache  # noqa: E402
 from kakeyaturbo.hf.coded_attention import CodedView  # noqa: E402
-from kakeyaturbo.modeling import load_model  # noqa: E402
+from kakeyaturbo.modeling import kv_geometry, load_model  # noqa: E402
 from kakeyaturbo.recipes import default_recipe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
@@ -166,8 +166,7 @@ def test_bfloat16_frame_product_moves_logits_far_less_than_the_codec(model, atte
     cache = KakeyaCache.from_model(model, attention_precision="bfloat16", **kw)
     rounded = forwards(model, cache, ids, mask, 600)
     assert attend_calls
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = kv_geometry(model.config).head_dim
     for e, f, r in list(zip(exact, full, rounded))[1:]:  # the prefill reads no codes
         if not kt.codec.bf16_products(head_dim):
             assert torch.equal(r, f)

@@ -16,7 +16,7 @@
 //! Coordinates pair as `(2p, 2p + 1)`, the layout `vdpbf16ps` reads: a pair is multiplied
 //! when either coordinate varies within the block; the other pairs' residuals are zero.
 
-use super::varying_mask;
+use super::{axpy, varying_mask};
 use std::cell::RefCell;
 
 thread_local! {
@@ -136,10 +136,7 @@ pub(super) fn split_pairs(y: &[f32], d: usize, m: &[f32]) -> (Vec<usize>, Vec<f3
     }
     let mut fixed = vec![0.0f32; d];
     for (j, &a) in centre.iter().enumerate().filter(|&(_, &a)| a != 0.0) {
-        fixed
-            .iter_mut()
-            .zip(&m[j * d..][..d])
-            .for_each(|(f, &x)| *f += a * x);
+        axpy::<false>(a, &m[j * d..][..d], &mut fixed);
     }
     (active, centre, fixed)
 }
