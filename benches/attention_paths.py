@@ -12,15 +12,15 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
   exact part (``WHOLE_ATTENTION_ROWS = 0``), the default before ``attend``;
 - ``own-pool`` (with ``--threads`` above 1): ``whole`` with the codec on its own rayon pool
   (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads;
-- ``whole-f32``: ``whole`` with the key frame product in float32 (``attention_precision=
-  "float32"``, the cache's default) instead of bfloat16, which the other paths of this bench
-  run (the same where the CPU lacks AVX512-BF16).
+- ``whole-f32`` / ``whole-int16`` / ``whole-bf16``: ``whole`` with the key frame product in
+  each ``attention_precision`` other than the cache's default, which the other paths run (the
+  narrow ones run float32 where the CPU lacks AVX512-VNNI / AVX512-BF16).
 
 With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
 coded across heads: ``joint`` attends over their codes (one virtual head of width heads x
 head_dim: the whole attention in one call, each head's exact part, scales and value frame in
-it; ``joint-two-kernels``: the logits and value-sum kernels around torch; ``joint-f32``: the
-frame product in float32), ``joint-decode``
+it; ``joint-two-kernels``: the logits and value-sum kernels around torch; ``joint-f32`` /
+``joint-int16`` / ``joint-bf16``: the frame product in each other precision), ``joint-decode``
 decodes every block each step
 (``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
 with only that stream coded across heads (the recipe's ``joint_heads``).
@@ -50,12 +50,19 @@ from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.recipes import default_recipe
 
+# The precisions' short names in path names.
+PRECISIONS = {"float32": "f32", "int16": "int16", "bfloat16": "bf16"}
+DEFAULT_PRECISION = KakeyaCache.__init__.__kwdefaults__["attention_precision"]
 # name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads, attention_precision)
 PATHS = {
-    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True, "bfloat16"),
-    "whole-f32": (coded_attention.WHOLE_ATTENTION_ROWS, True, "float32"),
-    "two-kernels": (0, True, "bfloat16"),
-    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False, "bfloat16"),
+    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True, DEFAULT_PRECISION),
+    **{
+        f"whole-{short}": (coded_attention.WHOLE_ATTENTION_ROWS, True, name)
+        for name, short in PRECISIONS.items()
+        if name != DEFAULT_PRECISION
+    },
+    "two-kernels": (0, True, DEFAULT_PRECISION),
+    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False, DEFAULT_PRECISION),
 }
 
 
@@ -143,7 +150,9 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
     if joint is not None:
         runs["joint"] = (prefilled(joint), PATHS["whole"])
         runs["joint-two-kernels"] = (runs["joint"][0], PATHS["two-kernels"])
-        runs["joint-f32"] = (runs["joint"][0], PATHS["whole-f32"])
+        for name, short in PRECISIONS.items():
+            if name != DEFAULT_PRECISION:
+                runs[f"joint-{short}"] = (runs["joint"][0], PATHS[f"whole-{short}"])
         runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
         if args.joint_heads:
             recipe = default_recipe(joint).replace(joint_heads=args.joint_heads)

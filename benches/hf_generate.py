@@ -265,10 +265,11 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--attention-precision",
-        choices=["bfloat16", "float32"],
+        choices=["bfloat16", "float32", "int16"],
         default=None,
         help="KakeyaCache's attention_precision: the key frame product's arithmetic on the CPU "
-        "(default: the cache's default, float32; bfloat16 where the CPU multiplies it natively)",
+        "(default: the cache's default; int16 and bfloat16 where the CPU multiplies them "
+        "natively, float32 elsewhere)",
     )
     ap.add_argument(
         "--residual-length",
@@ -350,10 +351,11 @@ def main(argv=None) -> None:
     if probe.int8_hot_values:
         hot += ", values as int8 rows"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
-    natively = kt.codec.bf16_products(kv_geometry(model.config).head_dim)
+    hd = kv_geometry(model.config).head_dim
+    native = {"int16": kt.codec.int16_products(hd), "bfloat16": kt.codec.bf16_products(hd)}
     print(
-        f"kakeya attention precision: {probe.attention_precision} (bfloat16 products on this "
-        f"CPU: {'yes' if natively else 'no'})"
+        f"kakeya attention precision: {probe.attention_precision} (native products on this "
+        "CPU: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in native.items()) + ")"
     )
     qdesc = f"backend {backend}, 4-bit, residual 128" if backend else "UNAVAILABLE: " + why
     print(f"quantized cache: {qdesc}")

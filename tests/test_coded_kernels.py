@@ -19,6 +19,7 @@ from kakeyaturbo.codec import (
     coded_key_logits,
     coded_value_sums,
     decode_norm_codes,
+    int16_products,
 )
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.norm_codes import decode_norms, encode_norms
@@ -76,11 +77,15 @@ def test_key_logits_equal_rope_of_decoded_keys(rot_dim, adjacent):
     assert (want - q @ keys.transpose(-1, -2)).abs().max() > 1  # RoPE mattered
 
 
-def test_bfloat16_precision_rounds_the_frame_product():
-    """``precision="bfloat16"``: the logits within bfloat16's rounding of the float32 ones
-    (each product moves by at most 2^-8 of itself); computed in bfloat16 only where
-    ``bf16_products`` says the CPU can, float32 bit for bit elsewhere; and the whole attention
-    takes the same argument."""
+@pytest.mark.parametrize(
+    ("precision", "native", "bound"),
+    [("int16", int16_products, 2**-9), ("bfloat16", bf16_products, 2**-7)],
+)
+def test_narrow_precisions_stay_close_to_the_float32_frame_product(precision, native, bound):
+    """``precision="int16"`` / ``"bfloat16"``: the logits and the whole attention within the
+    narrow products' rounding of the float32 ones (int16: 11-13 bits of each input, bfloat16:
+    8); computed so only where the CPU can (``int16_products`` / ``bf16_products``), float32
+    bit for bit elsewhere."""
     encs, _ = coded_stream_major(5)
     s = ROWS * HEADS
     g = torch.Generator().manual_seed(6)
@@ -89,19 +94,26 @@ def test_bfloat16_precision_rounds_the_frame_product():
     exact = np.zeros((s, 0, D), np.float32)
 
     def both(fn, *args, **kw):
-        return [fn(*args, **kw, precision=p) for p in ("float32", "bfloat16")]
+        return [fn(*args, **kw, precision=p) for p in ("float32", precision)]
 
-    for full, rounded in (
+    for full, narrow in (
         both(coded_key_logits, encs, s, q, frames),
         both(coded_attend, encs, encs, s, q, exact, exact, 0.125, key_frames=frames),
     ):
-        if not bf16_products(D):
-            np.testing.assert_array_equal(rounded, full)
+        if not native(D):
+            np.testing.assert_array_equal(narrow, full)
             continue
-        worst = np.abs(rounded - full).max()
-        assert 0 < worst <= 2**-7 * np.abs(full).max()
-    with pytest.raises(ValueError, match="precision must be 'float32' or 'bfloat16'"):
-        coded_key_logits(encs, s, q, frames, precision="float16")
+        worst = np.abs(narrow - full).max()
+        assert 0 < worst <= bound * np.abs(full).max()
+
+
+def test_unknown_precisions_are_refused_by_name():
+    encs, _ = coded_stream_major(5)
+    s = ROWS * HEADS
+    q = np.zeros((s, G, D), np.float32)
+    exact = np.zeros((s, 0, D), np.float32)
+    with pytest.raises(ValueError, match="precision must be 'float32', 'int16' or 'bfloat16'"):
+        coded_key_logits(encs, s, q, precision="float16")
     with pytest.raises(ValueError, match="precision"):
         coded_attend(encs, encs, s, q, exact, exact, 0.125, precision="fp8")
 

@@ -269,10 +269,12 @@ def coded_key_logits(
     identity); ``rotation`` ``[rows or 1, tokens, 2, pairs]``, the cosines then the sines
     turning channels ``(i, i + pairs)`` (None: no RoPE); ``norms`` ``[streams, tokens]`` (None:
     no scale). float32, C-contiguous. ``precision``: the frame product's arithmetic, the
-    costliest part: ``"float32"``, or ``"bfloat16"`` (``y_t`` less its block mean, and the frame,
-    rounded to bfloat16; the mean's product and the sums in float32) where
-    :func:`bf16_products` says the CPU multiplies bfloat16 natively (twice the rate; float32
-    elsewhere)."""
+    costliest part: ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as
+    16-bit integers with scales per block, 11-13 bits of each, exact int32 sums; the mean's
+    product in float32) where :func:`int16_products` says the CPU has AVX512-VNNI; or
+    ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where :func:`bf16_products` says
+    it multiplies bfloat16 natively. Both run at twice the float32 rate there and run the
+    float32 product elsewhere."""
     return _core.coded_key_logits(
         _raws(encs), streams, queries, frames, rotation, norms, precision=precision
     )
@@ -283,6 +285,13 @@ def bf16_products(head_dim: int) -> bool:
     ``head_dim`` coordinates (AVX512-BF16, ``head_dim`` a multiple of 16); where it does not,
     that precision runs the float32 product."""
     return _core.bf16_products(head_dim)
+
+
+def int16_products(head_dim: int) -> bool:
+    """Whether ``precision="int16"`` multiplies in 16-bit integers on this CPU for coded streams
+    of ``head_dim`` coordinates (AVX512-VNNI, ``head_dim`` a multiple of 16); where it does
+    not, that precision runs the float32 product."""
+    return _core.int16_products(head_dim)
 
 
 def coded_value_sums(

@@ -79,8 +79,8 @@ class CacheContext:
     hot_dtype: torch.dtype | None = None  # exact tokens' storage dtype (None: the model's)
     # The hot window's values held as int8 rows (int8_rows.py) instead of in the hot dtype.
     int8_hot_values: bool = False
-    # The arithmetic of the codec's key frame product on the CPU ("float32" or "bfloat16").
-    attention_precision: str = "float32"
+    # The arithmetic of the codec's key frame product on the CPU (cache.ATTENTION_PRECISIONS).
+    attention_precision: str = "int16"
 
 
 @dataclass(eq=False)  # identity: blocks are compared by `is`, never by content

@@ -184,8 +184,9 @@ fn precision_arg(name: &str) -> PyResult<Precision> {
     match name {
         "float32" => Ok(Precision::F32),
         "bfloat16" => Ok(Precision::Bf16),
+        "int16" => Ok(Precision::I16),
         _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "precision must be 'float32' or 'bfloat16', got {name:?}"
+            "precision must be 'float32', 'int16' or 'bfloat16', got {name:?}"
         ))),
     }
 }
@@ -195,6 +196,13 @@ fn precision_arg(name: &str) -> PyResult<Precision> {
 #[pyfunction]
 pub fn bf16_products(head_dim: usize) -> bool {
     core::bf16_products(head_dim)
+}
+
+/// Whether `precision="int16"` multiplies in 16-bit integers on this CPU for coded streams of
+/// `head_dim` coordinates (AVX512-VNNI and a multiple of 16); where not, it runs float32.
+#[pyfunction]
+pub fn int16_products(head_dim: usize) -> bool {
+    core::int16_products(head_dim)
 }
 
 fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Bound<'py, PyAny>> {
@@ -207,8 +215,9 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// head_dim]` (None: identity); `rotation`: `[rows or 1, tokens, 2, pairs]`, the cosines then
 /// the sines turning channel pairs `(i, i + pairs)` (None: no RoPE); `norms`: `[streams,
 /// tokens]` or norm codes (None: scale 1). `precision`: the frame product's arithmetic,
-/// "float32" or "bfloat16" (the coordinates less their block mean and the frame rounded to
-/// bfloat16, float32 sums, where `bf16_products`).
+/// "float32", "int16" (the coordinates less their block mean and the frame as 16-bit integers
+/// with per-block scales, exact int32 sums, where `int16_products`) or "bfloat16" (both
+/// rounded to bfloat16, float32 sums, where `bf16_products`).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None,
     precision="float32"))]

@@ -31,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::coded_attend, m)?)?;
     m.add_function(wrap_pyfunction!(attention::decode_norm_codes, m)?)?;
     m.add_function(wrap_pyfunction!(attention::bf16_products, m)?)?;
+    m.add_function(wrap_pyfunction!(attention::int16_products, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -68,6 +69,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "decode_norm_codes",
             "encode_batch",
             "encode_layer",
+            "int16_products",
             "fit_codebook",
             "gaussian_codebook",
             "share_torch_threads",

@@ -30,6 +30,7 @@ use crate::parallel;
 
 mod attend;
 mod bf16;
+mod int16;
 mod norms;
 
 pub use attend::{attend, Attend, ExactPiece, Joint, Lanes};
@@ -49,12 +50,32 @@ pub enum Precision {
     /// multiplies bfloat16 pairs natively (AVX512-BF16) and the head dim is a multiple of 16;
     /// float32 everywhere else (`bf16.rs`, [`bf16_products`]).
     Bf16,
+    /// The coordinates less their block mean, and the frame, as 16-bit integers with scales
+    /// per block (11-13 bits of each), exact int32 sums, the mean's product in float32: twice
+    /// the float32 rate where the CPU has AVX512-VNNI and the head dim is a multiple of 16;
+    /// float32 everywhere else (`int16.rs`, [`int16_products`]).
+    I16,
 }
 
 /// Whether [`Precision::Bf16`] multiplies in bfloat16 on this CPU for head dim `d` (else it
 /// runs the float32 product).
 pub fn bf16_products(d: usize) -> bool {
     bf16::available() && bf16::fits(d)
+}
+
+/// Whether [`Precision::I16`] multiplies in 16-bit integers on this CPU for head dim `d` (else
+/// it runs the float32 product).
+pub fn int16_products(d: usize) -> bool {
+    int16::available() && int16::fits(d)
+}
+
+/// How one block's frame product runs ([`Precision`] as this CPU takes it).
+#[derive(Clone, Copy)]
+enum Product<'a> {
+    F32,
+    /// The frame as bfloat16 pairs ([`bf16::pack_pairs`]).
+    Bf16(&'a [u32]),
+    I16,
 }
 
 /// Coded streams as the kernels take them: `streams` streams one after the other, each
@@ -242,12 +263,15 @@ pub fn key_logits(
     let pairs = frames
         .filter(|_| precision == Precision::Bf16 && bf16_products(d))
         .map(|(m, heads)| (bf16::pack_pairs(m, d), heads));
+    let int16 = precision == Precision::I16 && int16_products(d);
     let parts = coded.map_blocks(|s, b, y, t0| {
         let n = y.len() / d;
         let m = frame_of(frames, s, d);
-        let mp = pairs
-            .as_ref()
-            .map(|(p, heads)| &p[(s % heads) * d * d / 2..][..d * d / 2]);
+        let product = match &pairs {
+            Some((p, heads)) => Product::Bf16(&p[(s % heads) * d * d / 2..][..d * d / 2]),
+            None if int16 => Product::I16,
+            None => Product::F32,
+        };
         let rot = rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
             let w = 2 * r.pairs;
@@ -256,7 +280,7 @@ pub fn key_logits(
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
-        run_block_logits((y, d, m, mp, rot, nm.as_deref(), q, g), &mut out);
+        run_block_logits((y, d, m, product, rot, nm.as_deref(), q, g), &mut out);
         Ok(out)
     })?;
     let nb = coded.blocks();
@@ -566,13 +590,13 @@ fn token_scale<const FMA: bool>(norms: Option<&[f32]>, t: usize, y: &[f32]) -> f
     }
 }
 
-/// `(decoded block, head dim, frame, frame as bfloat16 pairs, (rotation, pairs), norms,
-/// queries, query rows)`.
+/// `(decoded block, head dim, frame, how its product runs, (rotation, pairs), norms, queries,
+/// query rows)`.
 type LogitArgs<'a> = (
     &'a [f32],
     usize,
     Option<&'a [f32]>,
-    Option<&'a [u32]>,
+    Product<'a>,
     Option<(&'a [f32], usize)>,
     Option<&'a [f32]>,
     &'a [f32],
@@ -607,7 +631,7 @@ thread_local! {
 /// [`block_logits`] with `buf` to hold the keys.
 #[inline(always)]
 fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &mut Vec<f32>) {
-    let (y, d, m, m_pairs, rot, norms, q, g) = args;
+    let (y, d, m, product, rot, norms, q, g) = args;
     let n = y.len() / d;
     let rot = rot.filter(|&(_, pairs)| pairs > 0);
     // Without a frame the decoded block is the keys (copied only if RoPE turns them).
@@ -619,9 +643,12 @@ fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &
                 buf.resize(y.len(), 0.0);
             }
             let own = &mut buf[..y.len()];
-            match (m, m_pairs) {
-                (Some(m), Some(mp)) => bf16::product(y, d, m, mp, own),
-                (Some(m), None) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
+            match (m, product) {
+                (Some(m), Product::Bf16(mp)) => bf16::product(y, d, m, mp, own),
+                (Some(m), Product::I16) => int16::product(y, d, m, own),
+                (Some(m), Product::F32) => {
+                    BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own)
+                }
                 (None, _) => own.copy_from_slice(y),
             }
             if let Some((r, pairs)) = rot {

@@ -248,7 +248,7 @@ fn fused_and_separate_multiply_adds_agree() {
         &y[..],
         d,
         Some(&m[..]),
-        None,
+        Product::F32,
         Some((&rot[..], 20)),
         Some(&norms[..]),
         &q[..],
@@ -350,17 +350,25 @@ fn bf16_frame_product_sums_rounded_pairs_in_float32() {
     }
 }
 
-#[test]
-fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
-    let (d, g, lens) = (64, 3, [16, 13]);
-    let (encs, _) = coded(2, &lens, d);
+/// Head dim of [`frame_logits`].
+const FRAME_D: usize = 64;
+
+/// Logits of two streams of coded keys (16 and 13 tokens) through random frames, 3 query rows,
+/// with the frame product in `precision`.
+fn frame_logits(precision: Precision) -> Vec<f32> {
+    let (d, g) = (FRAME_D, 3);
+    let (encs, _) = coded(2, &[16, 13], d);
     let refs: Vec<&EncodedLayer> = encs.iter().collect();
     let c = CodedStreams::new(&refs, 2).unwrap();
     let frames = normals(2 * d * d, 5);
     let q = normals(2 * g * d, 6);
-    let run = |p| key_logits(&c, Some((&frames, 2)), None, None, &q, g, p).unwrap();
-    let (exact, rounded) = (run(Precision::F32), run(Precision::Bf16));
-    if !bf16_products(d) {
+    key_logits(&c, Some((&frames, 2)), None, None, &q, g, precision).unwrap()
+}
+
+#[test]
+fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
+    let (exact, rounded) = (frame_logits(Precision::F32), frame_logits(Precision::Bf16));
+    if !bf16_products(FRAME_D) {
         assert_eq!(
             exact, rounded,
             "without AVX512-BF16 the bfloat16 precision is float32"
@@ -373,6 +381,113 @@ fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
         .zip(&rounded)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(worst > 0.0 && worst <= 2e-2 * scale, "{worst} of {scale}");
+}
+
+#[test]
+fn int16_level_keeps_the_sums_within_int32() {
+    assert_eq!(int16::level(0), 4095);
+    assert_eq!(int16::level(128), 4095);
+    assert_eq!(int16::level(192), 3344);
+    assert_eq!(int16::level(1024), 1448);
+    for coords in [1, 2, 64, 129, 192, 512, 1024, 4096] {
+        let r = int16::level(coords) as i64;
+        assert!(coords as i64 * r * r <= i32::MAX as i64, "{coords}: {r}");
+        assert!(r == 4095 || coords as i64 * (r + 1) * (r + 1) > i32::MAX as i64);
+    }
+}
+
+/// A block whose coordinates vary around large means, with fixed coordinates as in the bf16
+/// test: a whole pair (4, 5), one of a pair (8), a zero pair (10, 11).
+fn block_with_fixed_coordinates(n: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut y = normals(n * d, seed);
+    for yt in y.chunks_exact_mut(d) {
+        (yt[4], yt[5], yt[8], yt[10], yt[11]) = (0.75, -1.25, 2.0, 0.0, 0.0);
+        (yt[2], yt[3]) = (yt[2] + 300.0, yt[3] - 200.0);
+        yt[d - 1] *= 1e-3; // a coordinate with a small spread keeps its own scale
+    }
+    y
+}
+
+#[test]
+fn int16_frame_product_is_its_integer_reference_within_the_level() {
+    // 13 tokens: a tile of 8, then five alone.
+    for d in [16, 64, 192] {
+        let n = 13;
+        let y = block_with_fixed_coordinates(n, d, 31 + d as u64);
+        let m = normals(d * d, 32);
+        let q = int16::quantise(&y, d, &m);
+        let mut reference = vec![0.0f32; n * d];
+        int16::product_scalar(&q, d, &mut reference);
+        if int16::available() {
+            let mut out = vec![0.0f32; n * d];
+            int16::product(&y, d, &m, &mut out);
+            assert_eq!(
+                out, reference,
+                "d={d}: the CPU's product is its reference's"
+            );
+        }
+        let (_, centre, _) = bf16::split_pairs(&y, d, &m);
+        let r = int16::level(2 * q.active.len()) as f64;
+        let (mut worst, mut worst_rel) = (0.0f64, 0.0f64);
+        for c in 0..d {
+            // Worst case of the module's bound: J / R of the largest scaled entry.
+            let big = (0..d)
+                .map(|j| {
+                    let spread = y
+                        .chunks_exact(d)
+                        .map(|yt| (yt[j] - centre[j]).abs() as f64)
+                        .fold(0.0, f64::max);
+                    spread * (m[j * d + c] as f64).abs()
+                })
+                .fold(0.0, f64::max);
+            for t in 0..n {
+                let exact: f64 = (0..d)
+                    .map(|j| y[t * d + j] as f64 * m[j * d + c] as f64)
+                    .sum();
+                let mass: f64 = (0..d)
+                    .map(|j| (y[t * d + j] as f64 * m[j * d + c] as f64).abs())
+                    .sum();
+                let err = (reference[t * d + c] as f64 - exact).abs();
+                assert!(
+                    err <= 2.0 * q.active.len() as f64 / r * big + 1e-5 * mass,
+                    "d={d} [{t}, {c}]: {} vs {exact}",
+                    reference[t * d + c]
+                );
+                worst = worst.max(err);
+                worst_rel = worst_rel.max(err / big);
+            }
+        }
+        // Far inside the worst case (roundings add up as a random walk), and not float32.
+        assert!(
+            worst > 0.0 && worst_rel < 4.0 * (d as f64).sqrt() / r,
+            "d={d}: {worst_rel}"
+        );
+    }
+}
+
+#[test]
+fn int16_precision_keeps_logits_far_closer_than_bfloat16() {
+    let (exact, ints) = (frame_logits(Precision::F32), frame_logits(Precision::I16));
+    if !int16_products(FRAME_D) {
+        assert_eq!(
+            exact, ints,
+            "without AVX512-VNNI the int16 precision is float32"
+        );
+        return;
+    }
+    let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let worst = |got: &[f32]| {
+        exact
+            .iter()
+            .zip(got)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+    };
+    let w16 = worst(&ints);
+    assert!(w16 > 0.0 && w16 <= 2e-3 * scale, "{w16} of {scale}");
+    if bf16_products(FRAME_D) {
+        let wbf = worst(&frame_logits(Precision::Bf16));
+        assert!(w16 * 4.0 < wbf, "int16 {w16} against bfloat16 {wbf}");
+    }
 }
 
 #[test]
