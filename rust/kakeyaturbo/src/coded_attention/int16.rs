@@ -360,8 +360,8 @@ mod x86 {
         out: &mut [f32],
     ) {
         let d = cols.d;
-        assert!(ys.len() >= (R - 1) * half + half && out.len() >= (R - 1) * d + 16);
-        assert!(active.len() <= 1 || cols.ms.len() >= (active.len() - 1) * d + 16);
+        assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + 16);
+        assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + 16);
         assert!(cols.fixed.len() == 16 && cols.scale.len() == 16);
         let mut acc = [_mm512_setzero_si512(); R];
         for (k, &p) in active.iter().enumerate() {
