@@ -223,14 +223,18 @@ mod x86 {
             _mm512_maskz_div_ps(pos, rf, x)
         };
         // SAFETY (every load and store below): offsets within the asserted shapes.
+        // A token's residuals `y_t - c` at columns `c..c + 16`.
+        let residual = |yt: &[f32], c: usize| unsafe {
+            _mm512_sub_ps(
+                _mm512_loadu_ps(yt.as_ptr().add(c)),
+                _mm512_loadu_ps(centre.as_ptr().add(c)),
+            )
+        };
         let mut spread = vec![0.0f32; d];
         for yt in y.chunks_exact(d) {
             for c in (0..d).step_by(16) {
+                let v = residual(yt, c);
                 unsafe {
-                    let v = _mm512_sub_ps(
-                        _mm512_loadu_ps(yt.as_ptr().add(c)),
-                        _mm512_loadu_ps(centre.as_ptr().add(c)),
-                    );
                     let s = _mm512_loadu_ps(spread.as_ptr().add(c));
                     _mm512_storeu_ps(spread.as_mut_ptr().add(c), _mm512_max_ps(s, abs(v)));
                 }
@@ -250,11 +254,8 @@ mod x86 {
         }
         for (yt, o) in y.chunks_exact(d).zip(ys.chunks_exact_mut(half)) {
             for c in (0..d).step_by(16) {
+                let v = residual(yt, c);
                 unsafe {
-                    let v = _mm512_sub_ps(
-                        _mm512_loadu_ps(yt.as_ptr().add(c)),
-                        _mm512_loadu_ps(centre.as_ptr().add(c)),
-                    );
                     let q = levels(v, _mm512_loadu_ps(inv.as_ptr().add(c)));
                     _mm256_storeu_si256(o.as_mut_ptr().add(c / 2).cast(), q);
                 }

@@ -41,9 +41,21 @@ fn normals(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|_| g.normal() as f32).collect()
 }
 
+/// The largest `|x|`.
+fn largest(x: &[f32]) -> f32 {
+    x.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+}
+
+/// The largest `|a - b|` of two equally long slices.
+fn largest_gap(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1.0);
+    let scale = largest(want).max(1.0);
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         assert!(
             (a - b).abs() <= 1e-5 * scale,
@@ -375,11 +387,7 @@ fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
         );
         return;
     }
-    let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let worst = exact
-        .iter()
-        .zip(&rounded)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let (scale, worst) = (largest(&exact), largest_gap(&exact, &rounded));
     assert!(worst > 0.0 && worst <= 2e-2 * scale, "{worst} of {scale}");
 }
 
@@ -475,17 +483,10 @@ fn int16_precision_keeps_logits_far_closer_than_bfloat16() {
         );
         return;
     }
-    let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let worst = |got: &[f32]| {
-        exact
-            .iter()
-            .zip(got)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-    };
-    let w16 = worst(&ints);
+    let (scale, w16) = (largest(&exact), largest_gap(&exact, &ints));
     assert!(w16 > 0.0 && w16 <= 2e-3 * scale, "{w16} of {scale}");
     if bf16_products(FRAME_D) {
-        let wbf = worst(&frame_logits(Precision::Bf16));
+        let wbf = largest_gap(&exact, &frame_logits(Precision::Bf16));
         assert!(w16 * 4.0 < wbf, "int16 {w16} against bfloat16 {wbf}");
     }
 }
