@@ -16,7 +16,7 @@
 //! Coordinates pair as `(2p, 2p + 1)`, the layout `vdpbf16ps` reads: a pair is multiplied
 //! when either coordinate varies within the block; the other pairs' residuals are zero.
 
-use super::{axpy, varying_mask};
+use super::axpy;
 use std::cell::RefCell;
 
 thread_local! {
@@ -115,25 +115,32 @@ pub(super) fn product(y: &[f32], d: usize, m: &[f32], pairs: &[u32], out: &mut [
 /// A block's split of `y_t M` into `c M + (y_t - c) M`: the pairs with a varying coordinate,
 /// the centre `c` (`[d]`: a varying coordinate's block mean, summed in token order in float32
 /// and divided by `n`; another's value) and `c M` in float32.
+///
+/// Inlined, so that its two passes over the block compile with the caller's vector width: as
+/// its own function with a branch per coordinate it was a tenth of a decode step's cycles.
+#[inline(always)]
 pub(super) fn split_pairs(y: &[f32], d: usize, m: &[f32]) -> (Vec<usize>, Vec<f32>, Vec<f32>) {
-    let varies = varying_mask(y, d);
-    let active: Vec<usize> = (0..d / 2)
-        .filter(|&p| varies[2 * p] || varies[2 * p + 1])
-        .collect();
-    let n = y.len() / d;
-    let mut centre = y[..d].to_vec();
+    let first = &y[..d];
+    // One pass: which coordinates differ from the first token's (`!=` also marks NaN), and
+    // every coordinate's sum in token order (kept only for the varying ones).
+    let mut differs = vec![0u32; d];
+    let mut sum = first.to_vec();
     for yt in y.chunks_exact(d).skip(1) {
-        for ((c, &a), &v) in centre.iter_mut().zip(yt).zip(&varies) {
-            if v {
-                *c += a;
-            }
+        for (((v, s), &a), &b) in differs.iter_mut().zip(sum.iter_mut()).zip(yt).zip(first) {
+            *v |= (a != b) as u32;
+            *s += a;
         }
     }
-    for (c, &v) in centre.iter_mut().zip(&varies) {
-        if v {
-            *c /= n as f32;
-        }
-    }
+    let n = (y.len() / d) as f32;
+    let centre: Vec<f32> = sum
+        .iter()
+        .zip(first)
+        .zip(&differs)
+        .map(|((&s, &a), &v)| if v != 0 { s / n } else { a })
+        .collect();
+    let active: Vec<usize> = (0..d / 2)
+        .filter(|&p| differs[2 * p] | differs[2 * p + 1] != 0)
+        .collect();
     let mut fixed = vec![0.0f32; d];
     for (j, &a) in centre.iter().enumerate().filter(|&(_, &a)| a != 0.0) {
         axpy::<false>(a, &m[j * d..][..d], &mut fixed);
