@@ -10,7 +10,8 @@ __all__ = [
     "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
     "coded_value_sums", "coded_attend", "bf16_products", "decode_batch", "decode_norm_codes",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
-    "int16_products", "share_torch_threads", "stage_errors", "wht_rotate",
+    "int16_products", "share_torch_threads", "stage_errors", "wht_rotate", "PreparedKeys",
+    "prepare_keys",
 ]
 
 __version__: str
@@ -192,7 +193,21 @@ def coded_attend(
     key_scales: Optional[npt.NDArray[np.float32]] = None,
     value_scales: Optional[npt.NDArray[np.float32]] = None,
     precision: str = "float32",
+    prepared: Optional[PreparedKeys] = None,
 ) -> npt.NDArray[np.float32]: ...
+@final
+class PreparedKeys:
+    def prepared(self) -> int: ...
+    def __len__(self) -> int: ...
+
+def prepare_keys(
+    key_encs: Sequence[EncodedLayer],
+    streams: int,
+    key_frames: Optional[npt.NDArray[np.float32]] = None,
+    rotation: Optional[npt.NDArray[np.float32]] = None,
+    precision: str = "float32",
+    background: bool = True,
+) -> Optional[PreparedKeys]: ...
 def bf16_products(head_dim: int) -> bool: ...
 def int16_products(head_dim: int) -> bool: ...
 def decode_norm_codes(norms: _Norms, streams: int) -> npt.NDArray[np.float32]: ...

@@ -337,6 +337,7 @@ def coded_attend(
     key_scales: Optional[np.ndarray] = None,
     value_scales: Optional[np.ndarray] = None,
     precision: str = "float32",
+    prepared: Optional[_core.PreparedKeys] = None,
 ) -> np.ndarray:
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
@@ -358,7 +359,9 @@ def coded_attend(
     order; the exact runs ``[streams * heads, exact, head_dim]``; ``value_frames`` ``[heads,
     heads * head_dim, head_dim]``; ``key_scales`` / ``value_scales`` ``[streams, heads,
     tokens]`` each head's scale of the coded keys and values (None: 1). ``precision``: the key
-    frame product's arithmetic, as for :func:`coded_key_logits`."""
+    frame product's arithmetic, as for :func:`coded_key_logits`. ``prepared``: the keys made
+    ahead by :func:`prepare_keys` from the same blocks, ``key_frames``, ``rotation`` (the same
+    array) and ``precision`` (a ValueError names what differs); the result is the same bits."""
     return _core.coded_attend(
         _raws(key_encs),
         _raws(value_encs),
@@ -379,4 +382,27 @@ def coded_attend(
         key_scales=key_scales,
         value_scales=value_scales,
         precision=precision,
+        prepared=prepared,
+    )
+
+
+def prepare_keys(
+    key_encs: Sequence[EncodedLayer],
+    streams: int,
+    *,
+    key_frames: Optional[np.ndarray] = None,
+    rotation: Optional[np.ndarray] = None,
+    precision: str = "float32",
+    background: bool = True,
+) -> Optional[_core.PreparedKeys]:
+    """The query-independent part of :func:`coded_attend`'s key logits (decoding the codes, the
+    frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation`` and ``precision`` as
+    :func:`coded_attend` will take them, made ahead. With ``background`` it runs on a worker of
+    the codec's pool while the caller goes on (in a decode step: while torch runs the model on
+    one thread) and returns None where no worker would be idle for it (the codec on torch's
+    threads, or a pool of one thread); attention computes whatever is not made yet itself.
+    Without it every block is made before it returns. Do not write to ``rotation`` while the
+    result lives: it is read in place."""
+    return _core.prepare_keys(
+        _raws(key_encs), streams, key_frames, rotation, precision, background
     )

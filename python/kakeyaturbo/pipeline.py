@@ -429,6 +429,7 @@ class Pipeline:
         key_scales: Optional[torch.Tensor] = None,
         value_scales: Optional[torch.Tensor] = None,
         precision: str = "float32",
+        prepared: Any = None,
     ) -> torch.Tensor:
         """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
         keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
@@ -447,7 +448,9 @@ class Pipeline:
         ``[rows, heads, G / heads, D]`` each row over its own head's channels, in the exact
         keys' order; ``exact`` runs ``[rows, heads, n_i, D]``; ``value_frames`` ``[heads,
         heads * D, D]`` (:meth:`joint_head_frames`); ``key_scales`` / ``value_scales``
-        ``[rows, heads, T]`` (:meth:`joint_scales`). The output is then ``[rows, 1, G, D]``."""
+        ``[rows, heads, T]`` (:meth:`joint_scales`). The output is then ``[rows, 1, G, D]``.
+        ``prepared``: the keys made ahead by :meth:`prepare_keys` with the same blocks,
+        ``key_frames``, ``rotation`` (the same tensor) and ``precision``; the same bits."""
         kr, vr = self.run_of(kv_blocks[0], "k"), self.run_of(kv_blocks[1], "v")
         (ek, ev), streams = exact, kr.streams
         h, g, w = queries.shape[1], queries.shape[2], queries.shape[3]
@@ -476,8 +479,33 @@ class Pipeline:
             key_scales=_np_or_none(key_scales),
             value_scales=_np_or_none(value_scales),
             precision=precision,
+            prepared=prepared,
         )
         return torch.from_numpy(out).view(rows, h, g, d)
+
+    def prepare_keys(
+        self,
+        key_blocks: list[CodedBlock] | BlockRun,
+        *,
+        key_frames: Optional[torch.Tensor] = None,
+        rotation: Optional[torch.Tensor] = None,
+        precision: str = "float32",
+        background: bool = True,
+    ) -> Any:
+        """The keys of ``key_blocks`` as :meth:`attend` makes them from ``key_frames``,
+        ``rotation`` and ``precision`` (decoded, through the frame, turned by RoPE), made ahead
+        (``codec.prepare_keys``): on an idle worker of the codec's pool with ``background``
+        (None where there is none), else now. Pass the result to :meth:`attend` as
+        ``prepared``; keep ``rotation`` unchanged while it lives."""
+        kr = self.run_of(key_blocks, "k")
+        return _codec.prepare_keys(
+            kr.layers,
+            kr.streams,
+            key_frames=_np_or_none(key_frames),
+            rotation=_np_or_none(rotation),
+            precision=precision,
+            background=background,
+        )
 
     def run_of(self, blocks: list[CodedBlock] | BlockRun, stream: str) -> BlockRun:
         """``blocks`` of ``stream`` laid out for the attention kernels (a :class:`BlockRun` is

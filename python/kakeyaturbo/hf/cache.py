@@ -128,6 +128,13 @@ class KakeyaCache(Cache):
             teacher-forced KL measurably (6 passages: int16 +1.0% +- 0.8%, bfloat16 -1.0% +-
             1.4%), and int16 moves the logits 5-15x less than bfloat16
             (``docs/speed.md``, 25th session).
+        prepare_keys_ahead: in a decode step, make the next layer's coded keys (decoding,
+            frame product, RoPE: everything of its attention that needs no query) on the
+            codec's idle worker while the model runs this layer's MLP and the next layer's
+            projections (default). Only where a worker would be idle: torch on one thread
+            (with more, the codec runs on torch's threads and this does nothing). The same
+            bits either way; about 3 MB per 4k tokens of one layer live meanwhile, freed by
+            that layer's attention.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
@@ -150,6 +157,7 @@ class KakeyaCache(Cache):
         hot_dtype: torch.dtype | None = None,
         int8_hot_values: bool = True,
         attention_precision: str = "int16",
+        prepare_keys_ahead: bool = True,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
@@ -168,6 +176,7 @@ class KakeyaCache(Cache):
             hot_dtype=_floating_dtype("hot_dtype", hot_dtype),
             int8_hot_values=_flag("int8_hot_values", int8_hot_values),
             attention_precision=_attention_precision(attention_precision),
+            prepare_keys_ahead=_flag("prepare_keys_ahead", prepare_keys_ahead),
         )
         cfg = text_config(config)
         layers = [
@@ -182,6 +191,9 @@ class KakeyaCache(Cache):
                 UserWarning,
                 stacklevel=2,
             )
+        compressed = [layer for layer in layers if isinstance(layer, KakeyaLayer)]
+        for layer, following in zip(compressed, compressed[1:]):
+            self._ctx.following[layer.layer_idx] = weakref.ref(following)
         self._hook_handles: list = []
         self._active: list = []  # ACTIVE_STEP tokens of the hooked forward in flight
         # Hand the codes to the model's attention where it is the "kakeya" one (from_model).

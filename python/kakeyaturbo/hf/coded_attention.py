@@ -167,6 +167,7 @@ class CodedView:
         if kernels and g * tq <= WHOLE_ATTENTION_ROWS and joint_k == joint_v:
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
+            self._prepare_next(h, d)
             return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
         # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
         key, value = torch.cat(key_runs, dim=-2).float(), torch.cat(value_runs, dim=-2).float()
@@ -223,11 +224,9 @@ class CodedView:
         bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, q.device, joint)
         if joint:
             return self._joint_attend(q, exact, bias, scaling, softcap)
-        frame = pipe.frame_inverse(li, "k")
-        rotation = None
+        frame, rotation = self._key_inputs(h, q.shape[-1])
         if lay._rope is not None:  # the exact keys follow the query into the paired order
-            frame, (q, *keys) = self._split_layout(frame, q, *keys)
-            rotation = self._rotation("split")
+            _, (q, *keys) = self._split_layout(None, q, *keys)
         # (Keys coded post-RoPE go through the frame per token here: the exact keys are
         # scored by the same query, which the frame cannot be folded into for them.)
         return pipe.attend(
@@ -242,6 +241,7 @@ class CodedView:
             bias=bias,
             softcap=softcap,
             precision=lay._ctx.attention_precision,
+            prepared=self._prepared(),
         )
 
     def _joint_attend(
@@ -271,7 +271,47 @@ class CodedView:
             key_scales=pipe.joint_scales(self.held.keys) if norms("k") else None,
             value_scales=pipe.joint_scales(self.held.values) if norms("v") else None,
             precision=lay._ctx.attention_precision,
+            prepared=self._prepared(),
         )
+
+    def _key_inputs(self, h: int, d: int) -> tuple[Any, Any]:
+        """The key frames and RoPE's rotation as ``Pipeline.attend`` takes them for this layer's
+        blocks (``h`` KV heads of ``d`` channels): across heads the joint frame ``[1, H*D,
+        H*D]`` and the wide rotation (:meth:`_joint_query`); per head the frames in the split
+        channel order (:meth:`_split_layout`) and the rotation."""
+        lay = self.layer
+        if lay._ctx.pipeline.recipe.joint("k"):
+            frame, rotation = self._joint_keys(h, d)
+            return frame[None], rotation
+        frame = lay._ctx.pipeline.frame_inverse(lay.layer_idx, "k")
+        if lay._rope is None:
+            return frame, None
+        frame, _ = self._split_layout(frame, torch.empty(1, h, 0, d))
+        return frame, self._rotation("split")
+
+    def _prepared(self) -> Any:
+        """The keys made ahead for this layer by the layer before (:meth:`_prepare_next`),
+        where they were made from the blocks it reads now (a flush since drops them)."""
+        made = self.layer._ctx.step.prepared.pop(self.layer.layer_idx, None)
+        return made[1] if made is not None and made[0] is self.held else None
+
+    def _prepare_next(self, h: int, d: int) -> None:
+        """Starts making the keys of the next compressed layer's blocks on the codec's idle
+        worker (``Pipeline.prepare_keys``), while the model runs this layer's MLP and the next
+        layer's projections; its attention reads them (:meth:`_prepared`). Only where a worker
+        is idle (torch on one thread) and the next layer will attend over its codes."""
+        ctx = self.layer._ctx
+        ref = ctx.following.get(self.layer.layer_idx)
+        nxt = None if ref is None else ref()
+        if not ctx.prepare_keys_ahead or nxt is None or not nxt._blocks or ctx.budget.limit:
+            return
+        view = CodedView(nxt, nxt._held_blocks())
+        frame, rotation = view._key_inputs(h, d)
+        made = ctx.pipeline.prepare_keys(
+            view.held.keys, key_frames=frame, rotation=rotation, precision=ctx.attention_precision
+        )
+        if made is not None:
+            ctx.step.prepared[nxt.layer_idx] = (view.held, made)
 
     def _codec_logits(self, q: torch.Tensor, kb: BlockRun) -> torch.Tensor:
         """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by
@@ -313,28 +353,36 @@ class CodedView:
         across heads: wide queries ``[B, 1, H*rows, H*D]`` (each row zero outside its head's
         channels), the joint key frame ``[H*D, H*D]`` and RoPE's rotation, in the channel order
         of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
-        lay = self.layer
-        (b, h, rows, d), li = q.shape, lay.layer_idx
+        b, h, rows, d = q.shape
         wide = q.new_zeros(b, 1, h * rows, h * d)
         for i in range(h):  # query head i*g + j reads KV head i: its own channels only
             wide[:, 0, i * rows : (i + 1) * rows, i * d : (i + 1) * d] = q[:, i]
-        pipe, rotation = lay._ctx.pipeline, None
-        if lay._rope is None:
-            frame = pipe.joint_frame(li, "k")
-        else:
-            rope = lay._rope
-            name = ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs)
-            order = self._shared(name, (), lambda: self._joint_order(h, d))
-            # The bundle keeps the frame in that order; index_select: a quarter of advanced
-            # indexing's time on the queries.
-            frame = pipe.joint_frame(li, "k", (name, order))
-            wide = wide.index_select(-1, order)
-            rotation = self._shared(
-                ("joint rotation", h, self.held.positions),
-                (lay._rope.inv_freq,),
-                lambda: self._rotation("split").repeat(1, 1, 1, h),
-            )
+        frame, rotation = self._joint_keys(h, d)
+        if rotation is not None:
+            # index_select: a quarter of advanced indexing's time on the queries.
+            wide = wide.index_select(-1, self._joint_order_shared(h, d)[1])
         return wide, frame, rotation
+
+    def _joint_keys(self, h: int, d: int) -> tuple[torch.Tensor, Any]:
+        """:meth:`_joint_query`'s joint key frame and rotation (no query needed)."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        if lay._rope is None:
+            return pipe.joint_frame(li, "k"), None
+        # The bundle keeps the frame in that order.
+        frame = pipe.joint_frame(li, "k", self._joint_order_shared(h, d))
+        rotation = self._shared(
+            ("joint rotation", h, self.held.positions),
+            (lay._rope.inv_freq,),
+            lambda: self._rotation("split").repeat(1, 1, 1, h),
+        )
+        return frame, rotation
+
+    def _joint_order_shared(self, h: int, d: int) -> tuple[tuple, torch.Tensor]:
+        """(its name, :meth:`_joint_order`), made once per forward."""
+        rope = self.layer._rope
+        name = ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs)
+        return name, self._shared(name, (), lambda: self._joint_order(h, d))
 
     def _joint_order(self, h: int, d: int) -> torch.Tensor:
         """The channel order of ``H`` heads side by side in which the kernel's pairs ``(i, i +

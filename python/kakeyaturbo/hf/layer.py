@@ -67,6 +67,9 @@ class StepInputs:
     # The arriving tokens' RoPE positions, as the last layer made them: ((tokens, first slot,
     # rows), positions); every layer of a forward asks for the same ones.
     positions: tuple | None = None
+    # Keys made ahead for a layer's attention (CodedView.prepare_next), by layer index:
+    # (the LayerBlocks they were made from, the codec's PreparedKeys).
+    prepared: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +84,10 @@ class CacheContext:
     int8_hot_values: bool = False
     # The arithmetic of the codec's key frame product on the CPU (cache.ATTENTION_PRECISIONS).
     attention_precision: str = "int16"
+    # Make the next layer's keys on the codec's idle worker during a decode step.
+    prepare_keys_ahead: bool = True
+    # The compressed layer the model runs after each (weak references), by layer index.
+    following: dict = field(default_factory=dict)
 
 
 @dataclass(eq=False)  # identity: blocks are compared by `is`, never by content

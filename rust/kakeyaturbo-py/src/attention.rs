@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in, type_error};
+use crate::prepared::PyPreparedKeys;
 use crate::workers;
 
 /// A float32 array of `D` dims, C-contiguous, or a TypeError naming `arg`.
@@ -73,7 +74,7 @@ fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<
 }
 
 /// [`f32_array`] of an optional argument.
-fn opt_f32_array<'py, D: Dimension>(
+pub(crate) fn opt_f32_array<'py, D: Dimension>(
     obj: Option<&Bound<'py, PyAny>>,
     arg: &str,
 ) -> PyResult<Option<PyReadonlyArray<'py, f32, D>>> {
@@ -180,7 +181,7 @@ fn layers<'a>(encs: &'a [Bound<'_, PyEncodedLayer>]) -> Vec<&'a EncodedLayer> {
 }
 
 /// The key frame product's arithmetic from its Python name.
-fn precision_arg(name: &str) -> PyResult<Precision> {
+pub(crate) fn precision_arg(name: &str) -> PyResult<Precision> {
     match name {
         "float32" => Ok(Precision::F32),
         "bfloat16" => Ok(Precision::Bf16),
@@ -295,7 +296,7 @@ pub fn coded_value_sums<'py>(
 #[pyo3(signature = (key_encs, value_encs, streams, queries, exact_keys, exact_values, scaling, *,
     key_frames=None, rotation=None, key_norms=None, value_frames=None, value_norms=None,
     bias=None, softcap=None, heads=1, exact_queries=None, key_scales=None, value_scales=None,
-    precision="float32"))]
+    precision="float32", prepared=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn coded_attend<'py>(
     py: Python<'py>,
@@ -318,6 +319,7 @@ pub fn coded_attend<'py>(
     key_scales: Option<&Bound<'py, PyAny>>,
     value_scales: Option<&Bound<'py, PyAny>>,
     precision: &str,
+    prepared: Option<&Bound<'py, PyPreparedKeys>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let precision = precision_arg(precision)?;
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
@@ -381,11 +383,16 @@ pub fn coded_attend<'py>(
         }),
     };
     let rows = q.shape()[1];
+    let (key_frames, rotation) = (with_lead(&kf)?, rope_angles(&rotation)?);
+    let prepared = prepared.map(|p| p.get());
+    let prepared = prepared
+        .map(|p| p.matching(&krefs, streams, key_frames, rotation.as_ref(), precision))
+        .transpose()?;
     let a = Attend {
         queries: q.as_slice()?,
         rows,
-        key_frames: with_lead(&kf)?,
-        rotation: rope_angles(&rotation)?,
+        key_frames,
+        rotation,
         key_norms: norms_view(&kn)?,
         value_frames: with_lead(&vf)?,
         value_norms: norms_view(&vn)?,
@@ -395,6 +402,7 @@ pub fn coded_attend<'py>(
         softcap,
         joint,
         precision,
+        prepared,
     };
     let d = keys.head_dim() / heads; // heads >= 1: refused above
     let out = workers::detach(py, || core::attend(&keys, &values, &a)).map_err(to_py)?;

@@ -7,6 +7,7 @@ mod codec;
 mod errors;
 mod openmp;
 mod params;
+mod prepared;
 mod workers;
 
 use pyo3::prelude::*;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<params::PyCodecParams>()?;
     m.add_class::<codec::PyEncodedLayer>()?;
     m.add_class::<codec::PyBasis>()?;
+    m.add_class::<prepared::PyPreparedKeys>()?;
     m.add_function(wrap_pyfunction!(params::_params_from_dict, m)?)?;
     m.add_function(wrap_pyfunction!(params::codec_params_defaults, m)?)?;
     m.add_function(wrap_pyfunction!(codec::encode_layer, m)?)?;
@@ -32,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::decode_norm_codes, m)?)?;
     m.add_function(wrap_pyfunction!(attention::bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(attention::int16_products, m)?)?;
+    m.add_function(wrap_pyfunction!(prepared::prepare_keys, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -58,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "FORMAT_VERSION",
             "FormatError",
             "KakeyaTurboError",
+            "PreparedKeys",
             "UnsupportedVersionError",
             "codec_params_defaults",
             "bf16_products",
@@ -72,6 +76,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "int16_products",
             "fit_codebook",
             "gaussian_codebook",
+            "prepare_keys",
             "share_torch_threads",
             "stage_errors",
             "wht_rotate",

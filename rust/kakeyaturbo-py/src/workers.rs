@@ -65,17 +65,44 @@ fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         return f();
     }
+    POOL.with(|cell| match pool_of(cell) {
+        Some(pool) => pool.install(f),
+        None => f(),
+    })
+}
+
+/// The calling thread's pool, built on first use (None if it cannot be).
+fn pool_of(cell: &OnceCell<Option<ThreadPool>>) -> Option<&ThreadPool> {
+    cell.get_or_init(|| {
+        ThreadPoolBuilder::new()
+            .use_current_thread()
+            .thread_name(|i| format!("kakeyaturbo-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Runs `f` on another worker of the calling thread's pool while the caller goes on (its
+/// loops in order on that worker: it runs beside the caller's parallel work, not in it).
+/// False, with `f` dropped unrun, where no worker would be idle for it: when the codec runs on
+/// torch's team (torch has more than one thread), or the pool has the caller alone.
+pub fn spawn(f: impl FnOnce() + Send + 'static) -> bool {
+    if SHARE_TORCH_THREADS.load(Ordering::Relaxed)
+        && openmp::runtime().is_some_and(|t| t.threads() > 1)
+    {
+        return false;
+    }
     POOL.with(|cell| {
-        let pool = cell.get_or_init(|| {
-            ThreadPoolBuilder::new()
-                .use_current_thread()
-                .thread_name(|i| format!("kakeyaturbo-{i}"))
-                .build()
-                .ok()
-        });
-        match pool {
-            Some(pool) => pool.install(f),
-            None => f(),
+        if rayon::current_thread_index().is_some() && cell.get().is_none() {
+            return false; // a worker of some other pool: no pool of its own
+        }
+        match pool_of(cell) {
+            Some(pool) if pool.current_num_threads() > 1 => {
+                pool.spawn(move || parallel::sequential(f));
+                true
+            }
+            _ => false,
         }
     })
 }

@@ -406,6 +406,7 @@ fn bench_coded_attention(c: &mut Criterion) {
             softcap: None,
             joint: None,
             precision: Precision::F32,
+            prepared: None,
         };
         g.bench_function(id("attend_1t"), |b| {
             one.install(|| b.iter(|| attend(&coded, &coded, &whole())))

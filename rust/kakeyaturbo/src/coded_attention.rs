@@ -32,9 +32,12 @@ mod attend;
 mod bf16;
 mod int16;
 mod norms;
+mod prepared;
 
 pub use attend::{attend, Attend, ExactPiece, Joint, Lanes};
 pub use norms::{decode_codes as decode_norm_codes, Norms};
+use prepared::BlockKeys;
+pub use prepared::PreparedKeys;
 
 /// Smallest `|y_t|` a token-norm scale divides by (as the Python path clamps it).
 const MIN_NORM: f32 = 1e-12;
@@ -156,16 +159,34 @@ impl<'a> CodedStreams<'a> {
         &self,
         f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
     ) -> Result<Vec<R>> {
-        let (nb, d) = (self.blocks(), self.d);
+        self.map_blocks_or(|_, _, _| None, f)
+    }
+
+    /// [`Self::map_blocks`], where `ready(stream, block, first token)` may give a block's
+    /// result without decoding it (keys prepared beforehand).
+    fn map_blocks_or<R: Send>(
+        &self,
+        ready: impl Fn(usize, usize, usize) -> Option<Result<R>> + Sync,
+        f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
+    ) -> Result<Vec<R>> {
+        let nb = self.blocks();
         parallel::map_init(self.encs.len(), Vec::new, |scratch: &mut Vec<f32>, i| {
             let (s, b) = (i / nb, i % nb);
-            let n = self.offsets[b + 1] - self.offsets[b];
-            scratch.resize(n * d, 0.0);
-            decode_layer_into(self.encs[i], None, scratch)?;
+            if let Some(r) = ready(s, b, self.offsets[b]) {
+                return r;
+            }
+            self.decode(i, scratch)?;
             f(s, b, scratch, self.offsets[b])
         })
         .into_iter()
         .collect()
+    }
+
+    /// Block `i` (stream-major) decoded into `scratch`.
+    fn decode(&self, i: usize, scratch: &mut Vec<f32>) -> Result<()> {
+        let b = i % self.blocks();
+        scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
+        decode_layer_into(self.encs[i], None, scratch)
     }
 }
 
@@ -234,6 +255,101 @@ pub fn key_logits(
     g: usize,
     precision: Precision,
 ) -> Result<Vec<f32>> {
+    let keys = KeyInputs {
+        frames,
+        rotation,
+        precision,
+    };
+    logits_with(coded, &keys, norms, queries, g, None)
+}
+
+/// What makes a coded block's keys besides its codes: the frames, RoPE's rotation and the frame
+/// product's arithmetic (as [`key_logits`] takes them).
+#[derive(Clone, Copy)]
+pub struct KeyInputs<'a> {
+    pub frames: Option<(&'a [f32], usize)>,
+    pub rotation: Option<&'a RopeAngles<'a>>,
+    pub precision: Precision,
+}
+
+impl KeyInputs<'_> {
+    /// Checks the frames and the rotation against `coded`.
+    pub fn check(&self, coded: &CodedStreams<'_>) -> Result<()> {
+        let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
+        check_frames("frames", self.frames, s_n, d, d)?;
+        if let Some(r) = self.rotation {
+            if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
+                return Err(Error::Shape(format!(
+                    "rotation: {} rows of {} pairs for {s_n} streams of head dim {d}",
+                    r.rows, r.pairs
+                )));
+            }
+            check_len(
+                "rotation",
+                r.values.len(),
+                &[r.rows, t_n, 2, r.pairs],
+                "rows x tokens x 2 x pairs",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The frame product's form on this CPU: the frames as bfloat16 pairs when they are
+    /// multiplied so (once per call: a few microseconds for 192 x 192), or whether in int16.
+    fn products(&self, d: usize) -> Products {
+        Products {
+            pairs: self
+                .frames
+                .filter(|_| self.precision == Precision::Bf16 && bf16_products(d))
+                .map(|(m, heads)| (bf16::pack_pairs(m, d), heads)),
+            int16: self.precision == Precision::I16 && int16_products(d),
+        }
+    }
+
+    /// Block `(s, b)`'s arguments of [`block_keys`]: its frame and RoPE's angles of its
+    /// tokens.
+    fn block<'p>(
+        &'p self,
+        coded: &CodedStreams<'_>,
+        products: &'p Products,
+        s: usize,
+        b: usize,
+    ) -> BlockInputs<'p> {
+        let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
+        let (t0, n) = (coded.offsets[b], coded.offsets[b + 1] - coded.offsets[b]);
+        let product = match &products.pairs {
+            Some((p, heads)) => Product::Bf16(&p[(s % heads) * d * d / 2..][..d * d / 2]),
+            None if products.int16 => Product::I16,
+            None => Product::F32,
+        };
+        let rot = self.rotation.map(|r| {
+            let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
+            let w = 2 * r.pairs;
+            (&r.values[(row * t_n + t0) * w..][..n * w], r.pairs)
+        });
+        (frame_of(self.frames, s, d), product, rot)
+    }
+}
+
+/// One block's frame, how its product runs, and (RoPE's angles of its tokens, pairs).
+type BlockInputs<'a> = (Option<&'a [f32]>, Product<'a>, Option<(&'a [f32], usize)>);
+
+/// [`KeyInputs::products`].
+struct Products {
+    pairs: Option<(Vec<u32>, usize)>,
+    int16: bool,
+}
+
+/// [`key_logits`], reading the blocks `prepared` holds (made with the same `keys`) instead of
+/// decoding them.
+pub(crate) fn logits_with(
+    coded: &CodedStreams<'_>,
+    keys: &KeyInputs<'_>,
+    norms: Option<&Norms<'_>>,
+    queries: &[f32],
+    g: usize,
+    prepared: Option<&PreparedKeys>,
+) -> Result<Vec<f32>> {
     let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
     check_len(
         "queries",
@@ -241,49 +357,34 @@ pub fn key_logits(
         &[s_n, g, d],
         "streams x rows x head_dim",
     )?;
-    check_frames("frames", frames, s_n, d, d)?;
-    if let Some(r) = rotation {
-        if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
-            return Err(Error::Shape(format!(
-                "rotation: {} rows of {} pairs for {s_n} streams of head dim {d}",
-                r.rows, r.pairs
-            )));
-        }
-        check_len(
-            "rotation",
-            r.values.len(),
-            &[r.rows, t_n, 2, r.pairs],
-            "rows x tokens x 2 x pairs",
-        )?;
-    }
+    keys.check(coded)?;
     if let Some(nm) = norms {
         nm.check(coded)?;
     }
-    // The frames as bfloat16 pairs, once per call (a few microseconds for 192 x 192).
-    let pairs = frames
-        .filter(|_| precision == Precision::Bf16 && bf16_products(d))
-        .map(|(m, heads)| (bf16::pack_pairs(m, d), heads));
-    let int16 = precision == Precision::I16 && int16_products(d);
-    let parts = coded.map_blocks(|s, b, y, t0| {
+    if let Some(p) = prepared {
+        p.check(coded)?;
+    }
+    let products = keys.products(d);
+    let nb = coded.blocks();
+    let ready = |s: usize, b: usize, _t0: usize| {
+        let bk = prepared?.take(s * nb + b)?;
+        Some((|| {
+            let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
+            let mut out = vec![0.0f32; g * bk.tokens(d)];
+            let q = &queries[s * g * d..][..g * d];
+            run_prepared_logits((bk, d, nm.as_deref(), q, g), &mut out);
+            Ok(out)
+        })())
+    };
+    let parts = coded.map_blocks_or(ready, |s, b, y, _t0| {
         let n = y.len() / d;
-        let m = frame_of(frames, s, d);
-        let product = match &pairs {
-            Some((p, heads)) => Product::Bf16(&p[(s % heads) * d * d / 2..][..d * d / 2]),
-            None if int16 => Product::I16,
-            None => Product::F32,
-        };
-        let rot = rotation.map(|r| {
-            let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
-            let w = 2 * r.pairs;
-            (&r.values[(row * t_n + t0) * w..][..n * w], r.pairs)
-        });
+        let (m, product, rot) = keys.block(coded, &products, s, b);
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
         run_block_logits((y, d, m, product, rot, nm.as_deref(), q, g), &mut out);
         Ok(out)
     })?;
-    let nb = coded.blocks();
     let mut logits = vec![0.0f32; s_n * g * t_n];
     for (i, part) in parts.iter().enumerate() {
         let (s, b) = (i / nb, i % nb);
@@ -586,8 +687,14 @@ unsafe fn columns_6x16_avx_fma(frame: &BlockFrame, ys: &[f32], col: usize, out: 
 fn token_scale<const FMA: bool>(norms: Option<&[f32]>, t: usize, y: &[f32]) -> f32 {
     match norms {
         None => 1.0,
-        Some(nm) => nm[t] / dot::<FMA>(y, y).sqrt().max(MIN_NORM),
+        Some(nm) => nm[t] / length::<FMA>(y),
     }
+}
+
+/// `|y|`, at least [`MIN_NORM`]: what a token-norm scale divides by.
+#[inline(always)]
+fn length<const FMA: bool>(y: &[f32]) -> f32 {
+    dot::<FMA>(y, y).sqrt().max(MIN_NORM)
 }
 
 /// `(decoded block, head dim, frame, how its product runs, (rotation, pairs), norms, queries,
@@ -633,37 +740,9 @@ thread_local! {
 fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &mut Vec<f32>) {
     let (y, d, m, product, rot, norms, q, g) = args;
     let n = y.len() / d;
-    let rot = rot.filter(|&(_, pairs)| pairs > 0);
-    // Without a frame the decoded block is the keys (copied only if RoPE turns them).
-    let keys: &[f32] = match (m, rot) {
-        (None, None) => y,
-        _ => {
-            // Grown, never cleared: the product or the copy writes all of its first `n d`.
-            if buf.len() < y.len() {
-                buf.resize(y.len(), 0.0);
-            }
-            let own = &mut buf[..y.len()];
-            match (m, product) {
-                (Some(m), Product::Bf16(mp)) => bf16::product(y, d, m, mp, own),
-                (Some(m), Product::I16) => int16::product(y, d, m, own),
-                (Some(m), Product::F32) => {
-                    BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own)
-                }
-                (None, _) => own.copy_from_slice(y),
-            }
-            if let Some((r, pairs)) = rot {
-                for (k, rt) in own.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
-                    let (cos, sin) = rt.split_at(pairs);
-                    let (re, rest) = k.split_at_mut(pairs);
-                    for (((a, b), &c), &s) in
-                        re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin)
-                    {
-                        (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
-                    }
-                }
-            }
-            own
-        }
+    let keys: &[f32] = match block_keys::<FMA>(y, d, m, product, rot, buf) {
+        true => &buf[..y.len()],
+        false => y,
     };
     for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
         dots::<FMA>(qj, keys, o);
@@ -671,6 +750,88 @@ fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &
     if norms.is_some() {
         for (t, yt) in y.chunks_exact(d).enumerate() {
             let scale = token_scale::<FMA>(norms, t, yt);
+            for j in 0..g {
+                out[j * n + t] *= scale;
+            }
+        }
+    }
+}
+
+/// A decoded block's keys (`y` is `n x d`): its frame product and RoPE into `buf`'s first
+/// `n d` values (grown as needed). False where neither applies: the decoded block is the
+/// keys.
+#[inline(always)]
+fn block_keys<const FMA: bool>(
+    y: &[f32],
+    d: usize,
+    m: Option<&[f32]>,
+    product: Product<'_>,
+    rot: Option<(&[f32], usize)>,
+    buf: &mut Vec<f32>,
+) -> bool {
+    let rot = rot.filter(|&(_, pairs)| pairs > 0);
+    if m.is_none() && rot.is_none() {
+        return false;
+    }
+    // Grown, never cleared: the product or the copy writes all of its first `n d`.
+    if buf.len() < y.len() {
+        buf.resize(y.len(), 0.0);
+    }
+    let own = &mut buf[..y.len()];
+    match (m, product) {
+        (Some(m), Product::Bf16(mp)) => bf16::product(y, d, m, mp, own),
+        (Some(m), Product::I16) => int16::product(y, d, m, own),
+        (Some(m), Product::F32) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
+        (None, _) => own.copy_from_slice(y),
+    }
+    if let Some((r, pairs)) = rot {
+        for (k, rt) in own.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
+            let (cos, sin) = rt.split_at(pairs);
+            let (re, rest) = k.split_at_mut(pairs);
+            for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
+                (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+            }
+        }
+    }
+    true
+}
+
+/// `(decoded block, head dim, frame, how its product runs, (rotation, pairs))`.
+type KeyArgs<'a> = (
+    &'a [f32],
+    usize,
+    Option<&'a [f32]>,
+    Product<'a>,
+    Option<(&'a [f32], usize)>,
+);
+
+/// A block's [`BlockKeys`]: its keys as [`block_logits`] makes them, and every token's
+/// [`length`] for a token-norm scale.
+#[inline(always)]
+fn prepare_block<const FMA: bool>(args: KeyArgs<'_>, out: &mut BlockKeys) {
+    let (y, d, m, product, rot) = args;
+    if !block_keys::<FMA>(y, d, m, product, rot, &mut out.keys) {
+        out.keys.clear();
+        out.keys.extend_from_slice(y);
+    }
+    out.keys.truncate(y.len());
+    out.lengths = y.chunks_exact(d).map(length::<FMA>).collect();
+}
+
+/// `(prepared keys, head dim, norms, queries, query rows)`.
+type PreparedArgs<'a> = (&'a BlockKeys, usize, Option<&'a [f32]>, &'a [f32], usize);
+
+/// [`block_logits`] of a block whose keys were prepared: the same dots and scales.
+#[inline(always)]
+fn prepared_logits<const FMA: bool>(args: PreparedArgs<'_>, out: &mut [f32]) {
+    let (bk, d, norms, q, g) = args;
+    let n = bk.tokens(d);
+    for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
+        dots::<FMA>(qj, &bk.keys, o);
+    }
+    if let Some(nm) = norms {
+        for (t, &len) in bk.lengths.iter().enumerate() {
+            let scale = nm[t] / len;
             for j in 0..g {
                 out[j * n + t] *= scale;
             }
@@ -834,6 +995,16 @@ with_avx_fma! {
 }
 
 with_avx_fma! {
+    /// [`prepare_block`], built with AVX + FMA where this CPU has them.
+    fn run_prepare_block(args: KeyArgs<'_>, out: &mut BlockKeys) => prepare_block
+}
+
+with_avx_fma! {
+    /// [`prepared_logits`], built with AVX + FMA where this CPU has them.
+    fn run_prepared_logits(args: PreparedArgs<'_>, out: &mut [f32]) => prepared_logits
+}
+
+with_avx_fma! {
     /// [`block_sums`], built with AVX + FMA where this CPU has them.
     fn run_block_sums(args: SumArgs<'_>, out: &mut [f32]) => block_sums
 }
@@ -918,3 +1089,6 @@ fn dots8_avx_fma(q: &[f32], keys: &[f32], chunks: &[usize]) -> [f32; 8] {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod prepared_tests;

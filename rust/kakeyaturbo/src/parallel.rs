@@ -55,6 +55,12 @@ fn with_cell<T: Copy + 'static, R>(
     f()
 }
 
+/// Runs `f` with the crate's parallel loops on the calling thread, in order (work that runs
+/// beside a parallel loop and must not take part in it).
+pub fn sequential<R>(f: impl FnOnce() -> R) -> R {
+    with_cell(&IN_TASK, true, f)
+}
+
 enum Runner {
     Rayon,
     Team(&'static dyn Team),

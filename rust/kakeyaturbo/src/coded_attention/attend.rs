@@ -16,8 +16,8 @@
 //! leave the joint coordinates through its head's `[H*D, D]` slice of the value frame.
 
 use super::{
-    axpy, check_frames, check_len, dot, key_logits, times_frame, value_sums, with_avx_fma,
-    CodedStreams, Norms, Precision, RopeAngles,
+    axpy, check_frames, check_len, dot, logits_with, times_frame, value_sums, with_avx_fma,
+    CodedStreams, KeyInputs, Norms, Precision, PreparedKeys, RopeAngles,
 };
 use crate::error::{Error, Result};
 use crate::parallel;
@@ -136,8 +136,11 @@ pub struct Attend<'a> {
     pub softcap: Option<f32>,
     /// Streams coded across heads (None: a stream is one head).
     pub joint: Option<Joint<'a>>,
-    /// The arithmetic of the key frame product (see [`key_logits`]).
+    /// The arithmetic of the key frame product (see [`super::key_logits`]).
     pub precision: Precision,
+    /// The coded keys made ahead of this call with the same frames, rotation and precision
+    /// ([`PreparedKeys::prepare`]), or None.
+    pub prepared: Option<&'a PreparedKeys>,
 }
 
 /// The attention output `[S, R, D]`: `softmax(scaling * [coded logits | q . k_exact] + bias)`
@@ -212,14 +215,18 @@ pub fn attend(
         )?;
     }
     // (key_logits checks the queries, the key frames, the rotation and the key norms.)
-    let mut weights = key_logits(
+    let key_inputs = KeyInputs {
+        frames: a.key_frames,
+        rotation: a.rotation.as_ref(),
+        precision: a.precision,
+    };
+    let mut weights = logits_with(
         keys,
-        a.key_frames,
-        a.rotation.as_ref(),
+        &key_inputs,
         a.key_norms.as_ref(),
         a.queries,
         r,
-        a.precision,
+        a.prepared,
     )?;
     if r == 0 {
         return Ok(Vec::new());

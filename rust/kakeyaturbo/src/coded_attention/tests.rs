@@ -12,7 +12,12 @@ fn coded(streams: usize, lens: &[usize], d: usize) -> (Vec<EncodedLayer>, Vec<f3
 }
 
 /// [`coded`] at `bits` per value.
-fn coded_at(streams: usize, lens: &[usize], d: usize, bits: f32) -> (Vec<EncodedLayer>, Vec<f32>) {
+pub(super) fn coded_at(
+    streams: usize,
+    lens: &[usize],
+    d: usize,
+    bits: f32,
+) -> (Vec<EncodedLayer>, Vec<f32>) {
     let p = CodecParams {
         pca_method: PcaMethod::None,
         ..waterfill(bits)
@@ -36,7 +41,7 @@ fn coded_at(streams: usize, lens: &[usize], d: usize, bits: f32) -> (Vec<Encoded
     (encs, dec)
 }
 
-fn normals(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn normals(n: usize, seed: u64) -> Vec<f32> {
     let mut g = SplitMix64::new(seed, 3);
     (0..n).map(|_| g.normal() as f32).collect()
 }
@@ -633,7 +638,7 @@ fn norm_codes_decode_as_the_python_decoder_and_refuse_bad_bounds() {
 }
 
 /// RoPE-like angles `[t_n, 2, pairs]` (cosines, then sines) at positions `0..t_n`.
-fn rotation_table(t_n: usize, pairs: usize) -> Vec<f32> {
+pub(super) fn rotation_table(t_n: usize, pairs: usize) -> Vec<f32> {
     (0..t_n)
         .flat_map(|t| {
             let angle = move |i: usize| t as f32 * 10f32.powf(-(i as f32) / pairs as f32);
@@ -847,6 +852,7 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
             softcap,
             joint: None,
             precision: Precision::F32,
+            prepared: None,
         };
         let got = attend(&kc, &vc, &a).unwrap();
         let logits = reference_logits(
@@ -950,6 +956,7 @@ fn attend_across_heads_matches_each_heads_softmax_over_decoded_keys_and_values()
         softcap,
         joint: Some(joint()),
         precision: Precision::F32,
+        prepared: None,
     };
     for softcap in [None, Some(6.0f32)] {
         let a = base(softcap);
@@ -1055,6 +1062,7 @@ fn attend_refuses_mismatched_inputs() {
         softcap: None,
         joint: None,
         precision: Precision::F32,
+        prepared: None,
     };
     let out = attend(&kc, &vc, &base()).unwrap();
     assert_eq!(out.len(), 2 * 64);

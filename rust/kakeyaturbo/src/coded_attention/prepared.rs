@@ -1,0 +1,161 @@
+//! A layer's coded keys made ahead of its attention, on a thread that would otherwise wait.
+//!
+//! In a decode step the key kernel's query-independent part (decoding the codes, the frame
+//! product, RoPE) is most of a layer's attention. With torch on one thread the codec's other
+//! worker is idle while the model runs the layers' projections and MLPs, so the next layer's
+//! keys can be made there ([`PreparedKeys::prepare`]) and its attention only dots them with
+//! the queries ([`super::logits_with`]).
+//!
+//! Each block has a state: to do, being prepared, prepared, or taken by attention. Preparing
+//! walks the blocks from the last; attention walks from the first (rayon's first split) and
+//! takes every block not yet being prepared, computing it itself as it would without
+//! preparation, so the two meet with no block done twice and attention never waits for more
+//! than the one block in progress. A prepared block's keys are the same bits attention would
+//! make: the same kernels in the same order.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use super::{run_prepare_block, CodedStreams, KeyInputs};
+use crate::error::{Error, Result};
+
+const TODO: u8 = 0;
+const BUSY: u8 = 1;
+const DONE: u8 = 2;
+const TAKEN: u8 = 3;
+
+/// One block's keys `[n, d]` as the key kernel dots them, and every token's `|y_t|` (at least
+/// `MIN_NORM`) for a token-norm scale.
+#[derive(Default)]
+pub(crate) struct BlockKeys {
+    pub keys: Vec<f32>,
+    pub lengths: Vec<f32>,
+}
+
+impl BlockKeys {
+    pub fn tokens(&self, d: usize) -> usize {
+        self.keys.len() / d
+    }
+}
+
+struct Slot {
+    state: AtomicU8,
+    keys: OnceLock<BlockKeys>,
+}
+
+/// The keys of a layer's coded blocks (stream-major, as [`CodedStreams`] lists them), made
+/// ahead of its attention. Transient: made for one attention call and dropped after it.
+pub struct PreparedKeys {
+    slots: Vec<Slot>,
+    cancelled: AtomicBool,
+}
+
+/// Sets a block being prepared back to "to do" unless it finished (an error or a panic while
+/// preparing it): attention then computes it itself, and reports what went wrong.
+struct Undo<'a> {
+    state: &'a AtomicU8,
+    done: bool,
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.state.store(TODO, Ordering::Release);
+        }
+    }
+}
+
+impl PreparedKeys {
+    /// Nothing prepared yet, for `blocks` coded blocks (all streams').
+    pub fn new(blocks: usize) -> Self {
+        Self {
+            slots: (0..blocks)
+                .map(|_| Slot {
+                    state: AtomicU8::new(TODO),
+                    keys: OnceLock::new(),
+                })
+                .collect(),
+            cancelled: AtomicBool::new(false),
+        }
+    }
+
+    /// Stops [`Self::prepare`] before its next block.
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+
+    /// Blocks prepared so far.
+    pub fn prepared(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.state.load(Ordering::Acquire) == DONE)
+            .count()
+    }
+
+    /// Makes the keys of `coded`'s blocks with `keys`, from the last block to the first,
+    /// skipping those attention has taken, until every block is visited or [`Self::cancel`]
+    /// is called. Runs on the calling thread alone. Returns the number of blocks it made.
+    pub fn prepare(&self, coded: &CodedStreams<'_>, keys: &KeyInputs<'_>) -> Result<usize> {
+        self.check(coded)?;
+        keys.check(coded)?;
+        let (nb, d) = (coded.blocks(), coded.d);
+        let products = keys.products(d);
+        let mut scratch = Vec::new();
+        let mut made = 0;
+        for (i, slot) in self.slots.iter().enumerate().rev() {
+            if self.cancelled.load(Ordering::Relaxed) {
+                break;
+            }
+            if slot
+                .state
+                .compare_exchange(TODO, BUSY, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {
+                continue;
+            }
+            let mut undo = Undo {
+                state: &slot.state,
+                done: false,
+            };
+            coded.decode(i, &mut scratch)?;
+            let (m, product, rot) = keys.block(coded, &products, i / nb, i % nb);
+            let mut out = BlockKeys::default();
+            run_prepare_block((&scratch, d, m, product, rot), &mut out);
+            // Only this thread moved the slot to BUSY, so it is empty.
+            let _ = slot.keys.set(out);
+            undo.done = true;
+            slot.state.store(DONE, Ordering::Release);
+            made += 1;
+        }
+        Ok(made)
+    }
+
+    /// Whether these were made for `coded`'s number of blocks.
+    pub(super) fn check(&self, coded: &CodedStreams<'_>) -> Result<()> {
+        if self.slots.len() != coded.encs.len() {
+            return Err(Error::Shape(format!(
+                "prepared keys of {} blocks for {} coded blocks",
+                self.slots.len(),
+                coded.encs.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Block `i`'s keys once prepared (waiting while they are being made), or None after
+    /// taking the block for the caller to compute.
+    pub(super) fn take(&self, i: usize) -> Option<&BlockKeys> {
+        let slot = &self.slots[i];
+        loop {
+            match slot
+                .state
+                .compare_exchange(TODO, TAKEN, Ordering::Acquire, Ordering::Acquire)
+            {
+                Ok(_) | Err(TAKEN) => return None,
+                Err(DONE) => return slot.keys.get(),
+                // One block in progress on another thread, which never waits on this one.
+                Err(_) => std::thread::yield_now(),
+            }
+        }
+    }
+}
