@@ -14,13 +14,17 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
   (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads;
 - ``whole-f32`` / ``whole-int16`` / ``whole-bf16``: ``whole`` with the key frame product in
   each ``attention_precision`` other than the cache's default, which the other paths run (the
-  narrow ones run float32 where the CPU lacks AVX512-VNNI / AVX512-BF16).
+  narrow ones run float32 where the CPU lacks AVX512-VNNI / AVX512-BF16);
+- ``not-ahead``: ``whole`` without the next layer's keys made ahead on the codec's idle worker
+  (``prepare_keys_ahead=False``; with more than one torch thread no worker is idle, and the
+  two are the same).
 
 With ``--joint-calibration`` (a bundle fitted with ``calibrate --joint-heads``), two more caches
 coded across heads: ``joint`` attends over their codes (one virtual head of width heads x
 head_dim: the whole attention in one call, each head's exact part, scales and value frame in
 it; ``joint-two-kernels``: the logits and value-sum kernels around torch; ``joint-f32`` /
-``joint-int16`` / ``joint-bf16``: the frame product in each other precision), ``joint-decode``
+``joint-int16`` / ``joint-bf16``: the frame product in each other precision;
+``joint-not-ahead``: no keys made ahead), ``joint-decode``
 decodes every block each step
 (``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
 with only that stream coded across heads (the recipe's ``joint_heads``).
@@ -53,16 +57,18 @@ from kakeyaturbo.recipes import default_recipe
 # The precisions' short names in path names.
 PRECISIONS = {"float32": "f32", "int16": "int16", "bfloat16": "bf16"}
 DEFAULT_PRECISION = KakeyaCache.__init__.__kwdefaults__["attention_precision"]
-# name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads, attention_precision)
+# name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads, attention_precision,
+# prepare_keys_ahead)
 PATHS = {
-    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True, DEFAULT_PRECISION),
+    "whole": (coded_attention.WHOLE_ATTENTION_ROWS, True, DEFAULT_PRECISION, True),
     **{
-        f"whole-{short}": (coded_attention.WHOLE_ATTENTION_ROWS, True, name)
+        f"whole-{short}": (coded_attention.WHOLE_ATTENTION_ROWS, True, name, True)
         for name, short in PRECISIONS.items()
         if name != DEFAULT_PRECISION
     },
-    "two-kernels": (0, True, DEFAULT_PRECISION),
-    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False, DEFAULT_PRECISION),
+    "not-ahead": (coded_attention.WHOLE_ATTENTION_ROWS, True, DEFAULT_PRECISION, False),
+    "two-kernels": (0, True, DEFAULT_PRECISION, True),
+    "own-pool": (coded_attention.WHOLE_ATTENTION_ROWS, False, DEFAULT_PRECISION, True),
 }
 
 
@@ -153,6 +159,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
         for name, short in PRECISIONS.items():
             if name != DEFAULT_PRECISION:
                 runs[f"joint-{short}"] = (runs["joint"][0], PATHS[f"whole-{short}"])
+        runs["joint-not-ahead"] = (runs["joint"][0], PATHS["not-ahead"])
         runs["joint-decode"] = (prefilled(joint, coded_attention=False), PATHS["whole"])
         if args.joint_heads:
             recipe = default_recipe(joint).replace(joint_heads=args.joint_heads)
@@ -165,6 +172,7 @@ def run_context(model, ids, ctx, calibration, joint, args) -> None:
                 coded_attention.WHOLE_ATTENTION_ROWS = path[0]
                 kakeyaturbo.share_torch_threads(path[1])
                 cache._ctx.attention_precision = path[2]
+                cache._ctx.prepare_keys_ahead = path[3]
             with AttentionTimer() as timer:
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
