@@ -24,8 +24,7 @@ coded across heads: ``joint`` attends over their codes (one virtual head of widt
 head_dim: the whole attention in one call, each head's exact part, scales and value frame in
 it; ``joint-two-kernels``: the logits and value-sum kernels around torch; ``joint-f32`` /
 ``joint-int16`` / ``joint-bf16``: the frame product in each other precision;
-``joint-not-ahead``: no keys made ahead), ``joint-decode``
-decodes every block each step
+``joint-not-ahead``: no keys made ahead), ``joint-decode`` decodes every block each step
 (``coded_attention=False``); ``--joint-heads v`` (or ``k``) adds ``joint-v``, the same bundle
 with only that stream coded across heads (the recipe's ``joint_heads``).
 
