@@ -725,7 +725,12 @@ type SumArgs<'a> = (
 /// (frame product, RoPE), then every query row is dotted with them eight tokens at a time.
 #[inline(always)]
 fn block_logits<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32]) {
-    KEYS.with_borrow_mut(|buf| block_logits_in::<FMA>(args, out, buf));
+    // Taken and put back, not borrowed in a closure: a closure does not inherit the `kernel`'s
+    // target features, and where the compiler kept it out of line (the criterion binary) every
+    // `mul_add` in it became a call to libm's `fmaf`, a third of `key_logits`' time.
+    let mut buf = KEYS.take();
+    block_logits_in::<FMA>(args, out, &mut buf);
+    KEYS.set(buf);
 }
 
 thread_local! {
