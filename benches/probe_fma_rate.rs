@@ -65,8 +65,9 @@ fn peak() -> f64 {
     (ITERS * 12 * 8) as f64 / best
 }
 
-/// The crate's 6 x 16 tile over one block: `out[t] = fixed + sum_j y[t, j] m[j]` over the
-/// varying `j`, the frame's rows read in place (`columns_6x16_avx_fma`).
+/// The crate's 6 x 16 tile over one block: `out[t] = sum_j y[t, j] m[j]` over the varying `j`
+/// (the crate starts from the fixed coordinates' vector), the frame's rows read in place
+/// (`columns_6x16_avx_fma`).
 fn tile_6x16(y: &[f32], m: &[f32], varying: &[usize], out: &mut [f32]) {
     for t in (0..TOKENS / 6 * 6).step_by(6) {
         for col in (0..D).step_by(16) {
@@ -126,7 +127,7 @@ fn main() {
         }
         best = best.min(t.elapsed().as_secs_f64());
     }
-    let tile = (reps * TOKENS / 6 * 6 * VARYING * D) as f64 / best;
+    let tile = (reps * (TOKENS / 6 * 6) * VARYING * D) as f64 / best;
     println!(
         "peak (12 FMA chains, no loads): {:6.2} G multiply-adds/s",
         p / 1e9
