@@ -12,7 +12,7 @@ import torch
 
 import kakeyaturbo as kt
 from kakeyaturbo.codec import coded_attend, prepare_keys
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
 from kakeyaturbo.hf.coded_attention import CodedView
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.modeling import load_model
@@ -137,9 +137,9 @@ def test_no_background_preparation_on_torch_threads(inputs):
 
 @torch.inference_mode()
 def test_keys_prepared_ahead_change_no_bit_of_generation(model_dir, monkeypatch):
-    """Decode steps over a real model's blocks, with the next layer's keys made ahead and
-    without: the same logits bit for bit, and the prepared keys were read (a flush in between
-    drops them: the blocks changed)."""
+    """Decode steps over a real model's blocks, with the next one or two layers' keys made
+    ahead and without: the same logits bit for bit, and the prepared keys were read (a flush in
+    between drops them: the blocks changed)."""
     model = load_model(model_dir)[0]
     used = []
     real = CodedView._prepared
@@ -153,17 +153,19 @@ def test_keys_prepared_ahead_change_no_bit_of_generation(model_dir, monkeypatch)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, model.config.vocab_size, (1, 420), generator=g)
     runs = {}
-    for ahead in (False, True):
+    for ahead in (0, 1, 2):
         used.clear()
+        monkeypatch.setattr(coded_attention, "LAYERS_AHEAD", max(ahead, 1))
         cache = KakeyaCache.from_model(
-            model, recipe=default_recipe(block_size=64), prepare_keys_ahead=ahead
+            model, recipe=default_recipe(block_size=64), prepare_keys_ahead=ahead > 0
         )
         out = [model(ids[:, :300], **{CACHE_ARG: cache}, use_cache=True).logits]
         for t in range(300, 420):  # 120 steps: flushes at 64-token boundaries
             out.append(model(ids[:, t : t + 1], **{CACHE_ARG: cache}, use_cache=True).logits)
         runs[ahead] = out
-        assert any(used) == (ahead and kt._core._workers()[1] > 1)
-    for a, b in zip(runs[False], runs[True]):
-        assert torch.equal(a, b)
+        assert any(used) == (ahead > 0 and kt._core._workers()[1] > 1)
+    for ahead in (1, 2):
+        for a, b in zip(runs[0], runs[ahead]):
+            assert torch.equal(a, b)
     with pytest.raises(TypeError, match="prepare_keys_ahead"):
         KakeyaCache.from_model(model, prepare_keys_ahead="yes")

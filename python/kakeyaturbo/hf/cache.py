@@ -128,13 +128,14 @@ class KakeyaCache(Cache):
             teacher-forced KL measurably (6 passages: int16 +1.0% +- 0.8%, bfloat16 -1.0% +-
             1.4%), and int16 moves the logits 5-15x less than bfloat16
             (``docs/speed.md``, 25th session).
-        prepare_keys_ahead: in a decode step, make the next layer's coded keys (decoding,
-            frame product, RoPE: everything of its attention that needs no query) on the
-            codec's idle worker while the model runs this layer's MLP and the next layer's
-            projections (default). Only where a worker would be idle: torch on one thread
-            (with more, the codec runs on torch's threads and this does nothing). The same
-            bits either way; about 3 MB per 4k tokens of one layer live meanwhile, freed by
-            that layer's attention.
+        prepare_keys_ahead: in a decode step, make the next layers' coded keys (decoding,
+            frame product, RoPE: everything of their attention that needs no query) on the
+            codec's idle worker while the model runs this layer's MLP and the next layers'
+            projections and attention (default; ``coded_attention.LAYERS_AHEAD`` layers at a
+            time, 2). Only where a worker would be idle: torch on one thread (with more, the
+            codec runs on torch's threads and this does nothing). The same bits either way;
+            about 3 MB per 4k tokens of each such layer live meanwhile, freed by that layer's
+            attention.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).

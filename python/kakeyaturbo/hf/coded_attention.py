@@ -62,6 +62,14 @@ CPU_KERNELS = True
 #: softmax and the exact part (a GEMM there) to torch.
 WHOLE_ATTENTION_ROWS = 64
 
+#: With ``prepare_keys_ahead``, how many following compressed layers' keys the codec's idle
+#: worker is making at a time. One layer ahead, the worker sat idle once it met the next
+#: layer's attention, and that attention computed about a quarter of the blocks itself; two
+#: ahead keep it busy while the main thread attends (about 5% of a 4k step on a 2-core Zen 1,
+#: docs/speed.md, 29th session), at one more layer's keys alive at a time (3 MB per layer at
+#: 4k for SmolLM2, freed when read: nothing lives from one step to the next).
+LAYERS_AHEAD = 2
+
 
 @dataclass(frozen=True, eq=False)
 class LayerBlocks:
@@ -296,22 +304,33 @@ class CodedView:
         return made[1] if made is not None and made[0] is self.held else None
 
     def _prepare_next(self, h: int, d: int) -> None:
-        """Starts making the keys of the next compressed layer's blocks on the codec's idle
-        worker (``Pipeline.prepare_keys``), while the model runs this layer's MLP and the next
-        layer's projections; its attention reads them (:meth:`_prepared`). Only where a worker
-        is idle (torch on one thread) and the next layer will attend over its codes."""
+        """Starts making the keys of the next :data:`LAYERS_AHEAD` compressed layers' blocks
+        (those not started yet) on the codec's idle worker (``Pipeline.prepare_keys``), while
+        the model runs this layer's MLP and the next layers' projections and attention; their
+        attention reads them (:meth:`_prepared`). Only where a worker is idle (torch on one
+        thread) and those layers will attend over their codes."""
         ctx = self.layer._ctx
-        ref = ctx.following.get(self.layer.layer_idx)
-        nxt = None if ref is None else ref()
-        if not ctx.prepare_keys_ahead or nxt is None or not nxt._blocks or ctx.budget.limit:
+        if not ctx.prepare_keys_ahead or ctx.budget.limit:
             return
-        view = CodedView(nxt, nxt._held_blocks())
-        frame, rotation = view._key_inputs(h, d)
-        made = ctx.pipeline.prepare_keys(
-            view.held.keys, key_frames=frame, rotation=rotation, precision=ctx.attention_precision
-        )
-        if made is not None:
-            ctx.step.prepared[nxt.layer_idx] = (view.held, made)
+        lay = self.layer
+        for _ in range(LAYERS_AHEAD):
+            ref = ctx.following.get(lay.layer_idx)
+            lay = None if ref is None else ref()
+            if lay is None:
+                return
+            if not lay._blocks or lay.layer_idx in ctx.step.prepared:
+                continue
+            view = CodedView(lay, lay._held_blocks())
+            frame, rotation = view._key_inputs(h, d)
+            made = ctx.pipeline.prepare_keys(
+                view.held.keys,
+                key_frames=frame,
+                rotation=rotation,
+                precision=ctx.attention_precision,
+            )
+            if made is None:
+                return
+            ctx.step.prepared[lay.layer_idx] = (view.held, made)
 
     def _codec_logits(self, q: torch.Tensor, kb: BlockRun) -> torch.Tensor:
         """Logits ``[B, H, g*Tq, coded]`` of the blocks' keys, computed by the codec block by

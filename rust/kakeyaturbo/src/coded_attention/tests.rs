@@ -321,6 +321,50 @@ fn bf16_reference(y: &[f32], m: &[f32], d: usize) -> [Vec<f64>; 3] {
 }
 
 #[test]
+fn frame_product_sums_every_token_as_alone_whatever_its_tile() {
+    // The AVX + FMA build tiles 6 tokens and runs the last 2-5 as a tile padded with zero
+    // rows; the portable build tiles 4. Either way each token's keys are bit for bit its
+    // product alone (a one-token tile) with the same block frame: 17 tokens leave 5 (padded)
+    // and 1, 13 leave 1 (alone), 8 leave 2 (padded); d 40 adds 8- and 1-wide column tiles.
+    let fma = cfg!(target_arch = "x86_64")
+        && std::arch::is_x86_feature_detected!("avx")
+        && std::arch::is_x86_feature_detected!("fma");
+    for (n, d) in [(17, 48), (13, 48), (8, 48), (16, 40), (5, 16)] {
+        let mut y = normals(n * d, 41 + n as u64);
+        for yt in y.chunks_exact_mut(d) {
+            (yt[1], yt[6]) = (0.5, 0.0); // fixed coordinates, one of them zero
+        }
+        let m = normals(d * d, 42);
+        let mut whole = vec![f32::NAN; n * d];
+        let mut alone = vec![f32::NAN; n * d];
+        if fma {
+            let frame = BlockFrame::new::<true>(&y, d, &m);
+            frame.product::<true>(&y, d, &mut whole);
+            for (yt, o) in y.chunks_exact(d).zip(alone.chunks_exact_mut(d)) {
+                frame.product::<true>(yt, d, o);
+            }
+            assert_eq!(whole, alone, "n={n} d={d}, AVX + FMA");
+        }
+        let frame = BlockFrame::new::<false>(&y, d, &m);
+        frame.product::<false>(&y, d, &mut whole);
+        for (yt, o) in y.chunks_exact(d).zip(alone.chunks_exact_mut(d)) {
+            frame.product::<false>(yt, d, o);
+        }
+        assert_eq!(whole, alone, "n={n} d={d}, portable");
+        // And the sums are the product's: each within float32 rounding of float64.
+        for (i, &v) in whole.iter().enumerate() {
+            let exact: f64 = (0..d)
+                .map(|j| y[i / d * d + j] as f64 * m[j * d + i % d] as f64)
+                .sum();
+            assert!(
+                (v as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()),
+                "[{i}] {v} {exact}"
+            );
+        }
+    }
+}
+
+#[test]
 fn bf16_frame_product_sums_rounded_pairs_in_float32() {
     if !bf16::available() {
         eprintln!("skipped: this CPU has no AVX512-BF16 (Precision::Bf16 runs float32 here)");
