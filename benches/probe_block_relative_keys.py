@@ -77,12 +77,18 @@ def turned_covariance(second: np.ndarray, mean: np.ndarray, offsets, inv_freq, h
     return acc - np.outer(m, m)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def probe_arguments(doc: str) -> argparse.Namespace:
+    """``--model``, ``--text`` (the calibration text) and ``--tokens``, described by ``doc``'s
+    first line."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     add_model_and_text(ap, CALIBRATION_TEXT)
     ap.add_argument("--tokens", type=int, default=12_000)
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def turned_moments(args: argparse.Namespace) -> tuple[list[int], np.ndarray, list]:
+    """The calibration tokens of ``args`` (``--model``, ``--text``, ``--tokens``), RoPE's
+    inverse frequencies and every layer's moments across heads."""
     model, tok = load_model(args.model)
     text = Path(args.text).read_text(encoding="utf-8")
     ids = tok(text[: args.tokens * 12], add_special_tokens=False)["input_ids"][: args.tokens]
@@ -90,20 +96,33 @@ def main() -> None:
     if spec.adjacent_pairs or spec.rot_dim != model.config.head_dim:
         raise SystemExit("this probe turns half-split pairs over the whole head")
     inv_freq = spec.inv_freq.double().numpy()
-    moments = collect_moments(model, ids, ctx=1024, joint=True)
+    return ids, inv_freq, collect_moments(model, ids, ctx=1024, joint=True)
+
+
+def query_metric(m, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's query metric (its queries' second moment, each head on its own channels,
+    averaged over the turns by offsets 0..QUERY_OFFSETS-1) and its symmetric square root."""
+    heads, d = m.qq.shape[0], m.qq.shape[-1]
+    q = np.zeros((heads * d, heads * d))
+    for h in range(heads):
+        q[h * d : (h + 1) * d, h * d : (h + 1) * d] = m.qq[h] / m.nq
+    offsets = np.linspace(0, QUERY_OFFSETS - 1, 256)
+    metric = turned_covariance(q, np.zeros(heads * d), offsets, inv_freq, heads, d)
+    w, v = np.linalg.eigh(metric)
+    return metric, v @ np.diag(np.sqrt(np.maximum(w, 0))) @ v.T
+
+
+def main() -> None:
+    args = probe_arguments(__doc__)
+
+    ids, inv_freq, moments = turned_moments(args)
     heads, d = moments[0].qq.shape[0], moments[0].qq.shape[-1]
     print(f"model {args.model}, {len(ids)} calibration tokens, {BITS} bits per value")
     print("distortion over per-head pre-RoPE frames' (lower is better), in the turned query metric")
     print("layer " + "  ".join(f"{v:>6} joint/per" for v in VARIANTS))
     rows = []
-    q_offsets = np.linspace(0, QUERY_OFFSETS - 1, 256)
     for li, m in enumerate(tqdm(moments, desc="layers", unit="layer")):
-        q = np.zeros((heads * d, heads * d))
-        for h in range(heads):
-            q[h * d : (h + 1) * d, h * d : (h + 1) * d] = m.qq[h] / m.nq
-        metric = turned_covariance(q, np.zeros(heads * d), q_offsets, inv_freq, heads, d)
-        w, v = np.linalg.eigh(metric)
-        root = v @ np.diag(np.sqrt(np.maximum(w, 0))) @ v.T
+        _, root = query_metric(m, inv_freq)
         second, mean = m.kk_joint / m.n, m.k.reshape(-1) / m.n
         row = []
         for offsets in VARIANTS.values():

@@ -30,17 +30,14 @@ the metric itself is from commuting with RoPE).
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 import numpy as np
 from tqdm import tqdm
 
-from bench_args import CALIBRATION_TEXT, add_model_and_text  # benches/, beside this script
-from kakeyaturbo.calibration.fit import collect_moments
-from kakeyaturbo.hf.rope import ModelRope
-from kakeyaturbo.modeling import load_model
-from probe_block_relative_keys import QUERY_OFFSETS, turned_covariance
+from probe_block_relative_keys import (  # benches/, beside this script
+    probe_arguments,
+    query_metric,
+    turned_moments,
+)
 from probe_joint_key_structure import reverse_waterfill
 
 BITS = 2.6
@@ -53,19 +50,9 @@ def pooled(cov: np.ndarray, groups: list[np.ndarray]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_and_text(ap, CALIBRATION_TEXT)
-    ap.add_argument("--tokens", type=int, default=12_000)
-    args = ap.parse_args()
+    args = probe_arguments(__doc__)
 
-    model, tok = load_model(args.model)
-    text = Path(args.text).read_text(encoding="utf-8")
-    ids = tok(text[: args.tokens * 12], add_special_tokens=False)["input_ids"][: args.tokens]
-    spec = ModelRope(model.config)(0)
-    if spec.adjacent_pairs or spec.rot_dim != model.config.head_dim:
-        raise SystemExit("this probe turns half-split pairs over the whole head")
-    inv_freq = spec.inv_freq.double().numpy()
-    moments = collect_moments(model, ids, ctx=1024, joint=True)
+    ids, inv_freq, moments = turned_moments(args)
     heads, d = moments[0].qq.shape[0], moments[0].qq.shape[-1]
     half = d // 2
     freq = [np.array([h * d + i + s for s in (0, half) for h in range(heads)]) for i in range(half)]
@@ -79,15 +66,9 @@ def main() -> None:
     print("distortion over per-head frames' (lower is better), in the turned query metric")
     print("layer  joint    per   freq  freq/head   diag | offgroup")
     rows = []
-    q_offsets = np.linspace(0, QUERY_OFFSETS - 1, 256)
     for li, m in enumerate(tqdm(moments, desc="layers", unit="layer")):
-        q = np.zeros((heads * d, heads * d))
-        for h in range(heads):
-            q[h * d : (h + 1) * d, h * d : (h + 1) * d] = m.qq[h] / m.nq
-        metric = turned_covariance(q, np.zeros(heads * d), q_offsets, inv_freq, heads, d)
+        metric, root = query_metric(m, inv_freq)
         offgroup = float((metric[~in_groups] ** 2).sum() / (metric**2).sum())
-        w, v = np.linalg.eigh(metric)
-        root = v @ np.diag(np.sqrt(np.maximum(w, 0))) @ v.T
         mean = m.k.reshape(-1) / m.n
         cov = root @ (m.kk_joint / m.n - np.outer(mean, mean)) @ root
 

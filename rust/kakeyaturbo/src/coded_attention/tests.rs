@@ -323,13 +323,13 @@ fn bf16_reference(y: &[f32], m: &[f32], d: usize) -> [Vec<f64>; 3] {
 #[test]
 fn frame_product_sums_every_token_as_alone_whatever_its_tile() {
     // The AVX + FMA build tiles 6 tokens and runs the last 2-5 as a tile padded with zero
-    // rows; the portable build tiles 4. Either way each token's keys are bit for bit its
-    // product alone (a one-token tile) with the same block frame: 17 tokens leave 5 (padded)
-    // and 1, 13 leave 1 (alone), 8 leave 2 (padded); d 40 adds 8- and 1-wide column tiles.
-    let fma = cfg!(target_arch = "x86_64")
-        && std::arch::is_x86_feature_detected!("avx")
-        && std::arch::is_x86_feature_detected!("fma");
-    for (n, d) in [(17, 48), (13, 48), (8, 48), (16, 40), (5, 16)] {
+    // rows; the portable build tiles 4 (its last 2-3 padded the same way). Either way each
+    // token's keys are bit for bit its product alone (a one-token tile) with the same block
+    // frame: after tiles of 6, 17 tokens leave 5 (padded), 13 and 7 leave 1 (alone), 8 and 14
+    // leave 2 (padded); after tiles of 4, 7 leaves 3 and 14 leaves 2 (padded), 17, 13 and 5
+    // leave 1; d 40 adds an 8-wide column tile, and d 16 is one tile wide.
+    let fma = avx_fma();
+    for (n, d) in [(17, 48), (13, 48), (8, 48), (7, 48), (14, 40), (5, 16)] {
         let mut y = normals(n * d, 41 + n as u64);
         for yt in y.chunks_exact_mut(d) {
             (yt[1], yt[6]) = (0.5, 0.0); // fixed coordinates, one of them zero
