@@ -540,7 +540,8 @@ impl<'m> BlockFrame<'m> {
     }
 
     /// `out[t] = y_t M` for every token of the block (`y` and `out` are `n x d`), in tiles of
-    /// a few tokens (the last few one by one) by 16 (then 8, then 1) columns whose sums stay
+    /// a few tokens (the last few in one tile padded with zero rows, a last single token alone)
+    /// by 16 (then 8, then 1) columns whose sums stay
     /// in registers across the varying rows: a row of `M` is loaded once per tile rather than
     /// once per token, which bounded the one-token product by loads. Each sum adds the same
     /// terms in the same order as a product token by token.
