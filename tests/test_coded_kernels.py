@@ -21,6 +21,7 @@ from kakeyaturbo.codec import (
     decode_norm_codes,
     int16_products,
 )
+from kakeyaturbo.hf import int8_rows
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.norm_codes import decode_norms, encode_norms
 
@@ -286,6 +287,16 @@ def test_exact_runs_read_as_held_equal_one_float32_array():
             kencs, vencs, s, q, runs["k"][1].numpy(), runs["v"][1].numpy(), 0.125
         )
         assert np.array_equal(got, want)
+    # Values held as int8 rows (a cache's hot window) are read as held: the bits of the same
+    # rows decoded to float32 by torch.
+    held = int8_rows.encode(runs["v"][1][:, :9])
+    decoded = torch.cat((int8_rows.decode(held), runs["v"][1][:, 9:]), 1).numpy()
+    v8 = [held[:, :4].contiguous().numpy(), held[:, 4:].contiguous().numpy(), runs["v"][0][2]]
+    got = coded_attend(kencs, vencs, s, q, runs["k"][0], v8, 0.125)
+    want = coded_attend(kencs, vencs, s, q, runs["k"][1].numpy(), decoded, 0.125)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match=r"exact_values.*head_dim \+ 2"):
+        coded_attend(kencs, vencs, s, q, runs["k"][0], [v8[0][..., 1:].copy(), *v8[1:]], 0.125)
     # The runs' counts must match, and each run be float32 or bfloat16 bits, C-contiguous.
     with pytest.raises(ValueError, match="exact_values: 2 runs for the 3 runs"):
         coded_attend(kencs, vencs, s, q, runs["k"][0], runs["v"][0][1:], 0.125)

@@ -3,9 +3,11 @@ D + 2 bytes a row, rows that are not finite decode as NaN, wrong input refused."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from kakeyaturbo import _core
 from kakeyaturbo.hf import int8_rows
 
 
@@ -73,3 +75,37 @@ def test_bad_input_is_refused():
         int8_rows.decode(torch.ones(2, 66))
     with pytest.raises(ValueError, match="int8"):
         int8_rows.decode(torch.ones(2, 2, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_codec_encodes_the_bits_of_torch(dtype):
+    """On the CPU the codec encodes (one call per decode step); other devices keep the torch
+    ops. Both must hold the same bytes, ties to even and clamping included, so a window
+    encoded on one decodes alike everywhere."""
+    x = rows(3)
+    x[0, 0, 0, :4] = torch.tensor([127.0, 2.5, 3.5, -0.5])  # scale 1: ties
+    x[0, 0, 0, 4:] = 0.0
+    x[0, 0, 1] = 0.0
+    x[0, 0, 2] = 1e-41  # a scale that rounds to 0 in bfloat16: codes 0
+    x[0, 0, 3, 5], x[0, 0, 4, 9] = float("inf"), float("nan")
+    x = x.to(dtype)
+    got, want = int8_rows.encode(x), int8_rows.encode_torch(x)
+    finite = x.isfinite().all(-1)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[..., :-2], want[..., :-2])  # codes 0 in rows that are not finite
+    assert bool(int8_rows.decode(got)[~finite].isnan().all())
+    assert got[0, 0, 0, :4].tolist() == [127, 2, 4, 0]
+    # A strided view encodes as its values.
+    view = x.transpose(1, 2)
+    assert torch.equal(
+        int8_rows.encode(view)[finite.transpose(1, 2)], want.transpose(1, 2)[finite.transpose(1, 2)]
+    )
+
+
+def test_the_codec_encoder_refuses_bad_input_by_name():
+    with pytest.raises(TypeError, match="x: expected a C-contiguous float32"):
+        _core.int8_rows_encode(np.ones((2, 4), dtype=np.float64))
+    with pytest.raises(TypeError, match="x: expected a C-contiguous float32"):
+        _core.int8_rows_encode(np.ones((2, 8), dtype=np.float32)[:, ::2])
+    with pytest.raises(TypeError, match="the last not empty"):
+        _core.int8_rows_encode(np.ones((2, 0), dtype=np.float32))

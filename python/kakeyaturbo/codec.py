@@ -342,8 +342,9 @@ def coded_attend(
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
     by the exact ``exact_keys`` / ``exact_values`` ``[streams, exact, head_dim]`` (or lists of
-    such runs in token order; each float32, or uint16 holding raw bfloat16 bits, which the
-    kernel widens as it reads them):
+    such runs in token order; each float32, uint16 holding raw bfloat16 bits, or int8 rows
+    ``[streams, exact, head_dim + 2]`` as ``hf/int8_rows.py`` holds values, which the kernel
+    widens or decodes as it reads them):
     ``softmax(softcap(scaling * logits) + bias) @ values``, the value sums turned out of the
     frame by ``value_frames`` ``[heads, head_dim, head_dim]``. ``bias`` ``[bias rows, rows,
     tokens + exact]`` (stream ``s`` reads row ``s // (streams // bias rows)``; ``-inf`` masks);

@@ -436,7 +436,8 @@ class Pipeline:
         ``[rows, H, E, D]``, computed by the codec (:meth:`key_logits`, a softmax, then
         :meth:`value_sums` turned out of the frame by ``value_frames``, plus the exact part;
         ``exact`` keys and values may each be a list of runs ``[rows, H, n_i, D]`` in token
-        order, and a bfloat16 run is read as held, with no float32 copy).
+        order, and a bfloat16 run or int8 rows ``[rows, H, n_i, D + 2]``, ``hf/int8_rows.py``,
+        are read as held, with no float32 copy).
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
         few query rows of a decode step. ``precision``: the key frame product's arithmetic
@@ -662,9 +663,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def _runs_np(runs: Any, streams: int, d: int) -> list:
     """Exact keys or values (a tensor, or a list of runs in token order) as the codec takes
-    them: ``[streams, n, d]`` arrays, float32, or a bfloat16 run as its raw bits (uint16)."""
+    them: ``[streams, n, d]`` arrays, float32, a bfloat16 run as its raw bits (uint16), or
+    int8 rows ``[streams, n, d + 2]`` (``hf/int8_rows.py``) as they are."""
     out = []
     for t in [runs] if isinstance(runs, torch.Tensor) else runs:
+        if t.dtype is torch.int8:
+            out.append(t.detach().reshape(streams, -1, t.shape[-1]).contiguous().numpy())
+            continue
         t = t.detach().reshape(streams, -1, d)
         out.append(bf16_bits(t.contiguous()) if t.dtype is torch.bfloat16 else _np(t))
     return out

@@ -35,11 +35,12 @@ fn f32_array<'py, D: Dimension>(
     Ok(a)
 }
 
-/// One run of exact keys or values, `[streams, n, head_dim]`, C-contiguous: float32, or raw
-/// bfloat16 bits as uint16.
+/// One run of exact keys or values, `[streams, n, head_dim]`, C-contiguous: float32, raw
+/// bfloat16 bits as uint16, or int8 rows `[streams, n, head_dim + 2]`.
 enum ExactRun<'py> {
     F32(PyReadonlyArray<'py, f32, numpy::Ix3>),
     Bf16(PyReadonlyArray<'py, u16, numpy::Ix3>),
+    Int8Rows(PyReadonlyArray<'py, i8, numpy::Ix3>),
 }
 
 impl ExactRun<'_> {
@@ -47,6 +48,7 @@ impl ExactRun<'_> {
         Ok(match self {
             ExactRun::F32(a) => Lanes::F32(a.as_slice()?),
             ExactRun::Bf16(a) => Lanes::Bf16(a.as_slice()?),
+            ExactRun::Int8Rows(a) => Lanes::Int8Rows(a.as_slice()?),
         })
     }
 }
@@ -54,13 +56,15 @@ impl ExactRun<'_> {
 /// The runs of `exact_keys` or `exact_values`: one array, or a list or tuple of them in token
 /// order; a TypeError naming `arg` for anything else.
 fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<'py>>> {
-    let want = "expected a C-contiguous 3-D float32 array, or uint16 of raw bfloat16 bits (or a \
-                list of them, in token order)";
+    let want = "expected a C-contiguous 3-D float32 array, uint16 of raw bfloat16 bits or int8 \
+                rows (or a list of them, in token order)";
     let one = |o: &Bound<'py, PyAny>| -> PyResult<ExactRun<'py>> {
         let run = if let Ok(a) = o.extract::<PyReadonlyArray<'py, f32, numpy::Ix3>>() {
             a.is_c_contiguous().then_some(ExactRun::F32(a))
         } else if let Ok(a) = o.extract::<PyReadonlyArray<'py, u16, numpy::Ix3>>() {
             a.is_c_contiguous().then_some(ExactRun::Bf16(a))
+        } else if let Ok(a) = o.extract::<PyReadonlyArray<'py, i8, numpy::Ix3>>() {
+            a.is_c_contiguous().then_some(ExactRun::Int8Rows(a))
         } else {
             None
         };

@@ -5,6 +5,7 @@ mod arrays;
 mod attention;
 mod codec;
 mod errors;
+mod int8_rows;
 mod openmp;
 mod params;
 mod prepared;
@@ -35,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(attention::int16_products, m)?)?;
     m.add_function(wrap_pyfunction!(prepared::prepare_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(int8_rows::int8_rows_encode, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
@@ -74,6 +76,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "encode_batch",
             "encode_layer",
             "int16_products",
+            "int8_rows_encode",
             "fit_codebook",
             "gaussian_codebook",
             "prepare_keys",

@@ -34,6 +34,7 @@ pub mod codec;
 pub mod coded_attention;
 pub mod error;
 pub mod format;
+pub mod int8_rows;
 pub mod kmeans;
 pub mod lloyd_max;
 pub mod outliers;

@@ -20,15 +20,19 @@ use super::{
     CodedStreams, KeyInputs, Norms, Precision, PreparedKeys, RopeAngles,
 };
 use crate::error::{Error, Result};
-use crate::parallel;
+use crate::{int8_rows, parallel};
 use std::borrow::Cow;
 
 /// Exact keys or values of every stream, `[S, n, D]`: float32, or bfloat16 bits as a cache
-/// holds its newest tokens (read as they are held, with no float32 copy made by the caller).
+/// holds its newest tokens, or int8 rows (read as they are held, with no float32 copy made by
+/// the caller).
 #[derive(Clone, Copy, Debug)]
 pub enum Lanes<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
+    /// `[S, n, D + 2]` int8 rows ([`crate::int8_rows`]), as a cache holds its hot window's
+    /// values: `D` codes and a bfloat16 scale per token.
+    Int8Rows(&'a [i8]),
 }
 
 impl Lanes<'_> {
@@ -36,20 +40,38 @@ impl Lanes<'_> {
         match self {
             Lanes::F32(x) => x.len(),
             Lanes::Bf16(x) => x.len(),
+            Lanes::Int8Rows(x) => x.len(),
         }
     }
 
-    /// Appends values `lo..lo + n` as float32 to `out`.
-    fn extend_into(&self, lo: usize, n: usize, out: &mut Vec<f32>) {
+    /// Entries held per token of `d` channels.
+    fn width(&self, d: usize) -> usize {
         match self {
-            Lanes::F32(x) => out.extend_from_slice(&x[lo..][..n]),
+            Lanes::Int8Rows(_) => d + int8_rows::SCALE_BYTES,
+            _ => d,
+        }
+    }
+
+    /// Tokens per head of `u_n` heads of `d` channels.
+    fn tokens(&self, u_n: usize, d: usize) -> usize {
+        self.len() / (u_n * self.width(d)).max(1)
+    }
+
+    /// Appends head `u`'s `n` tokens of `d` channels as float32 to `out`.
+    fn extend_head(&self, u: usize, n: usize, d: usize, out: &mut Vec<f32>) {
+        match self {
+            Lanes::F32(x) => out.extend_from_slice(&x[u * n * d..][..n * d]),
             Lanes::Bf16(x) => {
                 let at = out.len();
-                out.resize(at + n, 0.0);
+                out.resize(at + n * d, 0.0);
                 // bfloat16 is the top half of a float32: widening is exact (and vectorises).
-                for (o, &b) in out[at..].iter_mut().zip(&x[lo..][..n]) {
+                for (o, &b) in out[at..].iter_mut().zip(&x[u * n * d..][..n * d]) {
                     *o = f32::from_bits((b as u32) << 16);
                 }
+            }
+            Lanes::Int8Rows(x) => {
+                let w = d + int8_rows::SCALE_BYTES;
+                int8_rows::decode_into(&x[u * n * w..][..n * w], d, out);
             }
         }
     }
@@ -73,13 +95,15 @@ impl<'a> ExactPiece<'a> {
     }
 }
 
-/// Head `u`'s exact keys (or values) of all runs (of `u_n` heads), `[E, D]` float32: borrowed
-/// when there is one float32 run, else gathered (and widened) into one buffer.
+/// Head `u`'s exact keys (or values) of all runs (of `u_n` heads of `d` channels), `[E, D]`
+/// float32: borrowed when there is one float32 run, else gathered (and widened) into one
+/// buffer.
 fn head_lanes<'a>(
     runs: &'a [ExactPiece<'a>],
     pick: fn(&ExactPiece<'a>) -> Lanes<'a>,
     u: usize,
     u_n: usize,
+    d: usize,
 ) -> Cow<'a, [f32]> {
     if let [run] = runs {
         if let Lanes::F32(x) = pick(run) {
@@ -87,12 +111,11 @@ fn head_lanes<'a>(
             return Cow::Borrowed(&x[u * n..][..n]);
         }
     }
-    let total: usize = runs.iter().map(|r| pick(r).len() / u_n).sum();
+    let total: usize = runs.iter().map(|r| pick(r).tokens(u_n, d) * d).sum();
     let mut out = Vec::with_capacity(total);
     for run in runs {
         let lanes = pick(run);
-        let n = lanes.len() / u_n;
-        lanes.extend_into(u * n, n, &mut out);
+        lanes.extend_head(u, lanes.tokens(u_n, d), d, &mut out);
     }
     Cow::Owned(out)
 }
@@ -172,10 +195,14 @@ pub fn attend(
     let (d, rg, u_n) = (w / hs, r / hs, s_n * hs);
     let mut e_n = 0;
     for run in a.exact {
-        let n = run.keys.len() / (u_n * d);
-        let shape = "heads x exact x head_dim";
-        check_len("exact_keys", run.keys.len(), &[u_n, n, d], shape)?;
-        check_len("exact_values", run.values.len(), &[u_n, n, d], shape)?;
+        let n = run.keys.tokens(u_n, d);
+        for (name, lanes) in [("exact_keys", run.keys), ("exact_values", run.values)] {
+            let shape = match lanes {
+                Lanes::Int8Rows(_) => "heads x exact x (head_dim + 2) int8 rows",
+                _ => "heads x exact x head_dim",
+            };
+            check_len(name, lanes.len(), &[u_n, n, lanes.width(d)], shape)?;
+        }
         e_n += n;
     }
     check_frames("value_frames", a.value_frames, u_n, w, d)?;
@@ -244,7 +271,7 @@ pub fn attend(
             .map(|(b, sb)| &b[(s / (s_n / sb)) * r * l_n..][..r * l_n]);
         for i in 0..hs {
             let u = s * hs + i;
-            let keys = head_lanes(a.exact, |run| run.keys, u, u_n);
+            let keys = head_lanes(a.exact, |run| run.keys, u, u_n, d);
             let args = Scores {
                 coded: &mut coded[i * rg * t_n..][..rg * t_n],
                 exact: &mut exact[i * rg * e_n..][..rg * e_n],
@@ -266,7 +293,7 @@ pub fn attend(
     parallel::map_chunks(&mut out, r * d, |s, out| {
         for i in 0..hs {
             let u = s * hs + i;
-            let values = head_lanes(a.exact, |run| run.values, u, u_n);
+            let values = head_lanes(a.exact, |run| run.values, u, u_n, d);
             let args = Outputs {
                 sums: &sums[(s * r + i * rg) * w..][..rg * w],
                 frame: a

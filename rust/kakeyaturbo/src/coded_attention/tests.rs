@@ -720,6 +720,34 @@ fn two_runs<'a>(k: (&'a [u16], &'a [f32]), v: (&'a [u16], &'a [f32])) -> [ExactP
     ]
 }
 
+/// `x` (rows of `d`) as int8 rows hold them (`hf/int8_rows.py`): `round(x / s)` clamped to
+/// +-127 with `s = max|x| / 127` rounded to bfloat16, then the scale's two bytes.
+fn int8_rows(x: &[f32], d: usize) -> Vec<i8> {
+    let mut out = Vec::new();
+    for row in x.chunks_exact(d) {
+        let top = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = half::bf16::from_f32(top / 127.0);
+        let s = scale.to_f32();
+        out.extend(
+            row.iter()
+                .map(|&v| (v / s).round_ties_even().clamp(-127.0, 127.0) as i8),
+        );
+        out.extend(scale.to_bits().to_le_bytes().map(|b| b as i8));
+    }
+    out
+}
+
+/// Int8 rows of `d` codes decoded the slow way (not [`crate::int8_rows::decode_into`], which
+/// the kernel reads them with): code times the row's bfloat16 scale.
+fn int8_rows_decoded(x: &[i8], d: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for row in x.chunks_exact(d + 2) {
+        let s = half::bf16::from_bits(u16::from_le_bytes([row[d] as u8, row[d + 1] as u8]));
+        out.extend(row[..d].iter().map(|&c| c as f32 * s.to_f32()));
+    }
+    out
+}
+
 /// The attention written out the slow way in f64 over decoded keys and values: `logits`
 /// `[S, R, T]` of the coded keys (before any [`Joint`] scale), `yv` the decoded values `[S, T,
 /// W]`, `vnorms` their token norms (None: scale 1), `vframes` `[fheads, W, D]`.
@@ -744,17 +772,23 @@ fn reference_attend(
                 let mut out = Vec::new();
                 for run in a.exact {
                     let lanes = if values { run.values } else { run.keys };
-                    let n = match lanes {
-                        Lanes::F32(x) => x.len(),
-                        Lanes::Bf16(x) => x.len(),
-                    } / units;
                     match lanes {
-                        Lanes::F32(x) => out.extend_from_slice(&x[u * n..][..n]),
-                        Lanes::Bf16(x) => out.extend(
-                            x[u * n..][..n]
-                                .iter()
-                                .map(|&b| half::bf16::from_bits(b).to_f32()),
-                        ),
+                        Lanes::F32(x) => {
+                            let n = x.len() / units;
+                            out.extend_from_slice(&x[u * n..][..n])
+                        }
+                        Lanes::Bf16(x) => {
+                            let n = x.len() / units;
+                            out.extend(
+                                x[u * n..][..n]
+                                    .iter()
+                                    .map(|&b| half::bf16::from_bits(b).to_f32()),
+                            )
+                        }
+                        Lanes::Int8Rows(x) => {
+                            let n = x.len() / units;
+                            out.extend(int8_rows_decoded(&x[u * n..][..n], d));
+                        }
                     }
                 }
                 out
@@ -919,6 +953,79 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
             assert!(got[(s * r + 2) * d..][..d].iter().all(|&v| v == 0.0));
         }
     }
+}
+
+#[test]
+fn attend_reads_int8_rows_as_their_decoded_values_bit_for_bit() {
+    // A cache holds its hot window's values as int8 rows: read as held, they must give the
+    // bits of the same rows decoded to float32 by the caller, keys or values, alone or beside
+    // other runs.
+    let (streams, r, e_n, d, lens) = (3, 4, 6, 64, [32usize, 17]);
+    let (kenc, _) = coded(streams, &lens, d);
+    let (venc, _) = coded(streams, &lens, d);
+    let (krefs, vrefs): (Vec<&EncodedLayer>, Vec<&EncodedLayer>) =
+        (kenc.iter().collect(), venc.iter().collect());
+    let (kc, vc) = (
+        CodedStreams::new(&krefs, streams).unwrap(),
+        CodedStreams::new(&vrefs, streams).unwrap(),
+    );
+    let q = normals(streams * r * d, 21);
+    let mut ek = normals(streams * e_n * d, 22);
+    let mut ev = normals(streams * e_n * d, 23);
+    ev[5 * d..6 * d].fill(0.0); // a zero row: scale 0, codes 0
+    ek.iter_mut().for_each(|v| *v *= 3.0);
+    let (k8, v8) = (int8_rows(&ek, d), int8_rows(&ev, d));
+    let (kd, vd) = (int8_rows_decoded(&k8, d), int8_rows_decoded(&v8, d));
+    let new_k = normals(streams * d, 24);
+    let new_v = normals(streams * d, 25);
+    let base = |exact| Attend {
+        queries: &q,
+        rows: r,
+        key_frames: None,
+        rotation: None,
+        key_norms: None,
+        value_frames: None,
+        value_norms: None,
+        exact,
+        bias: None,
+        scaling: 0.125,
+        softcap: None,
+        joint: None,
+        precision: Precision::F32,
+        prepared: None,
+    };
+    let held = [
+        ExactPiece {
+            keys: Lanes::Int8Rows(&k8),
+            values: Lanes::Int8Rows(&v8),
+        },
+        ExactPiece::f32(&new_k, &new_v),
+    ];
+    let decoded = [ExactPiece::f32(&kd, &vd), ExactPiece::f32(&new_k, &new_v)];
+    let values_only = [ExactPiece {
+        keys: Lanes::F32(&kd),
+        values: Lanes::Int8Rows(&v8),
+    }];
+    let got = attend(&kc, &vc, &base(&held)).unwrap();
+    let want = attend(&kc, &vc, &base(&decoded)).unwrap();
+    assert_eq!(got, want);
+    let got = attend(&kc, &vc, &base(&values_only)).unwrap();
+    let want = attend(&kc, &vc, &base(&decoded[..1])).unwrap();
+    assert_eq!(got, want);
+    // The rows were not read as float32 codes: the decoded values differ from the raw ones.
+    assert_ne!(vd, ev);
+    // A run whose rows are not D + 2 bytes wide is refused, naming it.
+    let short = [ExactPiece {
+        keys: Lanes::F32(&kd),
+        values: Lanes::Int8Rows(&v8[1..]),
+    }];
+    let e = attend(&kc, &vc, &base(&short))
+        .expect_err("refused")
+        .to_string();
+    assert!(
+        e.contains("exact_values") && e.contains("head_dim + 2"),
+        "{e}"
+    );
 }
 
 #[test]
