@@ -720,23 +720,6 @@ fn two_runs<'a>(k: (&'a [u16], &'a [f32]), v: (&'a [u16], &'a [f32])) -> [ExactP
     ]
 }
 
-/// `x` (rows of `d`) as int8 rows hold them (`hf/int8_rows.py`): `round(x / s)` clamped to
-/// +-127 with `s = max|x| / 127` rounded to bfloat16, then the scale's two bytes.
-fn int8_rows(x: &[f32], d: usize) -> Vec<i8> {
-    let mut out = Vec::new();
-    for row in x.chunks_exact(d) {
-        let top = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = half::bf16::from_f32(top / 127.0);
-        let s = scale.to_f32();
-        out.extend(
-            row.iter()
-                .map(|&v| (v / s).round_ties_even().clamp(-127.0, 127.0) as i8),
-        );
-        out.extend(scale.to_bits().to_le_bytes().map(|b| b as i8));
-    }
-    out
-}
-
 /// Int8 rows of `d` codes decoded the slow way (not [`crate::int8_rows::decode_into`], which
 /// the kernel reads them with): code times the row's bfloat16 scale.
 fn int8_rows_decoded(x: &[i8], d: usize) -> Vec<f32> {
@@ -772,23 +755,19 @@ fn reference_attend(
                 let mut out = Vec::new();
                 for run in a.exact {
                     let lanes = if values { run.values } else { run.keys };
+                    let n = match lanes {
+                        Lanes::F32(x) => x.len(),
+                        Lanes::Bf16(x) => x.len(),
+                        Lanes::Int8Rows(x) => x.len(),
+                    } / units;
                     match lanes {
-                        Lanes::F32(x) => {
-                            let n = x.len() / units;
-                            out.extend_from_slice(&x[u * n..][..n])
-                        }
-                        Lanes::Bf16(x) => {
-                            let n = x.len() / units;
-                            out.extend(
-                                x[u * n..][..n]
-                                    .iter()
-                                    .map(|&b| half::bf16::from_bits(b).to_f32()),
-                            )
-                        }
-                        Lanes::Int8Rows(x) => {
-                            let n = x.len() / units;
-                            out.extend(int8_rows_decoded(&x[u * n..][..n], d));
-                        }
+                        Lanes::F32(x) => out.extend_from_slice(&x[u * n..][..n]),
+                        Lanes::Bf16(x) => out.extend(
+                            x[u * n..][..n]
+                                .iter()
+                                .map(|&b| half::bf16::from_bits(b).to_f32()),
+                        ),
+                        Lanes::Int8Rows(x) => out.extend(int8_rows_decoded(&x[u * n..][..n], d)),
                     }
                 }
                 out
@@ -974,7 +953,10 @@ fn attend_reads_int8_rows_as_their_decoded_values_bit_for_bit() {
     let mut ev = normals(streams * e_n * d, 23);
     ev[5 * d..6 * d].fill(0.0); // a zero row: scale 0, codes 0
     ek.iter_mut().for_each(|v| *v *= 3.0);
-    let (k8, v8) = (int8_rows(&ek, d), int8_rows(&ev, d));
+    let (k8, v8) = (
+        crate::int8_rows::encode(&ek, d).unwrap(),
+        crate::int8_rows::encode(&ev, d).unwrap(),
+    );
     let (kd, vd) = (int8_rows_decoded(&k8, d), int8_rows_decoded(&v8, d));
     let new_k = normals(streams * d, 24);
     let new_v = normals(streams * d, 25);
