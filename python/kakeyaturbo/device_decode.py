@@ -27,7 +27,7 @@ import torch
 
 from . import _core
 from ._runs import equal_runs
-from .norm_codes import NormCodes
+from .norm_codes import StackedNorms
 
 __all__ = ["DeviceBlocks", "PackedRun"]
 
@@ -50,31 +50,40 @@ def _level_table() -> torch.Tensor:
 
 
 _LEVELS = _level_table()
-_LEVELS_ON: dict[str, torch.Tensor] = {}  # _LEVELS flattened, per device (shared by all runs)
+#: ``(1 << b) - 1`` for each width ``b``: a component's code mask.
+_MASKS = torch.tensor([(1 << b) - 1 for b in range(MAX_WIDTH + 1)])
+# Made once per device and shared by every run (a handful of bytes, not a cache's).
+_ON: dict[tuple, torch.Tensor] = {}
+
+
+def _on(name: str, make, device: torch.device) -> torch.Tensor:
+    key = (name, str(device))
+    if key not in _ON:
+        _ON[key] = make().to(device)
+    return _ON[key]
 
 
 def _levels_on(device: torch.device) -> torch.Tensor:
-    key = str(device)
-    if key not in _LEVELS_ON:
-        _LEVELS_ON[key] = _LEVELS.flatten().to(device)
-    return _LEVELS_ON[key]
+    return _on("levels", _LEVELS.flatten, device)
 
 
 @dataclass(eq=False)
 class PackedRun:
     """Equally long coded streams (``K`` stream-blocks of ``n`` vectors of ``d`` values) held
     on one device as stored: the packed codes one after the other, and per stream-block its
-    component widths, scales and mean."""
+    component widths, scales and mean. What each step would otherwise recompute from them
+    with a dozen small ops (a kernel launch each on a GPU) is kept too, where it is small:
+    each component's first bit, and the outliers' decoded values."""
 
     codes: torch.Tensor  # uint8 [sum of code bytes + _PAD]
-    base: torch.Tensor  # int64 [K]: first byte of each stream-block's codes
+    first: torch.Tensor  # int32 (int64 past 2^31 bits) [K, d]: bit of component j of vector 0
     per_vector: torch.Tensor  # int64 [K]: bits of one vector
     bits: torch.Tensor  # uint8 [K, d]
     sigma: torch.Tensor  # float16 [K, d] (stored so)
     mean: torch.Tensor  # [K, d] in the skeleton dtype (stored so)
     gains: torch.Tensor  # float32 [MAX_WIDTH + 1]: reconstruction gain per width
     outlier_pos: torch.Tensor  # int64 [m]: into the [K, n, d] output, flattened
-    outlier_val: torch.Tensor  # float16 [m]
+    outlier_dec: torch.Tensor  # float32 [m]: their decoded values, ``mean + value * sigma``
     n: int
 
     @classmethod
@@ -100,51 +109,58 @@ class PackedRun:
         sizes = np.array([s["codes"].size for s in sections], dtype=np.int64)
         base = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         codes = np.concatenate([s["codes"] for s in sections] + [np.zeros(_PAD, np.uint8)])
-        d = sections[0]["bits"].size
-        pos = [s["outlier_pos"] + k * n * d for k, s in enumerate(sections)]
+        bits = np.stack([s["bits"] for s in sections])
+        d = bits.shape[1]
+        # Bit at which component j of a stream-block's vector 0 starts: the block's first
+        # bit, then the widths of the components before j.
+        wide = bits.astype(np.int64)
+        first = base[:, None] * 8 + np.cumsum(wide, axis=1) - wide
+        first = first.astype(np.int32 if codes.size * 8 < 2**31 else np.int64)
+        pos = np.concatenate([s["outlier_pos"] + k * n * d for k, s in enumerate(sections)])
+        sigma = np.stack([s["sigma"] for s in sections]).astype(np.float16)
         mean = torch.from_numpy(np.stack([s["mean"] for s in sections]))
+        mean = mean.to(_SKELETON[skeleton.pop()])
+        # The decoder's arithmetic for an outlier, in float32: mean + value * sigma.
+        block, comp = pos // (n * d), pos % d
+        value = torch.from_numpy(np.concatenate([s["outlier_val"] for s in sections]))
+        value = value.half().float() * torch.from_numpy(sigma[block, comp]).float()
+        outlier_dec = mean[block, comp].float() + value
         put = lambda a: torch.as_tensor(a).to(device)  # noqa: E731
         return cls(
             codes=put(codes),
-            base=put(base),
-            per_vector=put(np.array([int(s["bits"].sum(dtype=np.int64)) for s in sections])),
-            bits=put(np.stack([s["bits"] for s in sections])),
-            sigma=put(np.stack([s["sigma"] for s in sections]).astype(np.float16)),
-            mean=mean.to(_SKELETON[skeleton.pop()]).to(device),
+            first=put(first),
+            per_vector=put(wide.sum(axis=1)),
+            bits=put(bits),
+            sigma=put(sigma),
+            mean=mean.to(device),
             gains=put(sections[0]["gains"]),
-            outlier_pos=put(np.concatenate(pos)),
-            outlier_val=put(np.concatenate([s["outlier_val"] for s in sections])).half(),
+            outlier_pos=put(pos),
+            outlier_dec=outlier_dec.to(device),
             n=n,
         )
 
     @property
     def nbytes(self) -> int:
         """Bytes held on the device (the codebooks' level table, shared, is not counted)."""
-        held = (self.codes, self.base, self.per_vector, self.bits, self.sigma, self.mean)
-        held += (self.gains, self.outlier_pos, self.outlier_val)
+        held = (self.codes, self.first, self.per_vector, self.bits, self.sigma, self.mean)
+        held += (self.gains, self.outlier_pos, self.outlier_dec)
         return sum(t.numel() * t.element_size() for t in held)
 
     def decode(self) -> torch.Tensor:
         """``[K, n, d]`` float32 on the run's device, as the codec decodes it."""
-        d = self.bits.shape[1]
         dev = self.codes.device
         bits = self.bits.long()
-        # Bit at which component j of vector i starts: the stream-block's first bit, i whole
-        # vectors, then the widths of the components before j.
-        first = self.base[:, None] * 8 + bits.cumsum(-1) - bits  # [K, d]
-        vector = torch.arange(self.n, device=dev)[None, :, None] * self.per_vector[:, None, None]
-        start = first[:, None, :] + vector  # [K, n, d]
+        vector = _on(f"arange {self.n}", lambda: torch.arange(self.n), dev)
+        start = self.first[:, None, :] + vector[None, :, None] * self.per_vector[:, None, None]
         byte = start >> 3
-        word = self.codes[byte].int() | (self.codes[byte + 1].int() << 8)
-        code = (word >> (start & 7).int()) & ((1 << bits) - 1).int()[:, None, :]
-        level = _levels_on(dev)[bits[:, None, :] * (1 << MAX_WIDTH) + code]
+        codes = self.codes.int()
+        word = codes[byte] | (codes[byte + 1] << 8)  # a code spans at most two bytes
+        code = (word >> (start & 7)) & _on("masks", lambda: _MASKS, dev)[bits][:, None, :]
+        level = _levels_on(dev)[(bits << MAX_WIDTH)[:, None, :] + code]
         sigma, mean = self.sigma.float()[:, None, :], self.mean.float()[:, None, :]
         y = mean + (level * sigma) * self.gains[bits][:, None, :]
         if self.outlier_pos.numel():
-            flat = y.view(-1)
-            block, comp = self.outlier_pos // (self.n * d), self.outlier_pos % d
-            value = self.outlier_val.float() * self.sigma[block, comp].float()
-            flat[self.outlier_pos] = self.mean[block, comp].float() + value
+            y.view(-1)[self.outlier_pos] = self.outlier_dec
         return y
 
 
@@ -168,7 +184,7 @@ class DeviceBlocks:
 
     runs: list[tuple[PackedRun, int]]  # each run of equally long blocks, and its block count
     streams: int  # coded streams per block (rows x heads, or rows across heads)
-    norms: Optional[list[NormCodes]]  # the blocks' token norms on the device, or None
+    norms: Optional[StackedNorms]  # the blocks' token norms on the device, or None
     tokens: int
 
     @classmethod
@@ -181,19 +197,14 @@ class DeviceBlocks:
             encs = [blk.encs[s] for s in range(streams) for blk in run]  # stream-major
             runs.append((PackedRun.of(encs, device), len(run)))
         norms = None
-        if blocks[0].norms is not None:  # copies even on the CPU: nbytes counts what is held
-            norms = [
-                NormCodes(
-                    blk.norms.codes.to(device, copy=True), blk.norms.bounds.to(device, copy=True)
-                )
-                for blk in blocks
-            ]
+        if blocks[0].norms is not None:  # stacked copies, even on the CPU: nbytes counts them
+            norms = StackedNorms.of([blk.norms for blk in blocks], device)
         return cls(runs, streams, norms, sum(blk.tokens for blk in blocks))
 
     @property
     def nbytes(self) -> int:
         held = sum(run.nbytes for run, _ in self.runs)
-        return held + sum(n.nbytes for n in self.norms or ())
+        return held + (0 if self.norms is None else self.norms.nbytes)
 
     def decode(self, rows: int) -> torch.Tensor:
         """``[rows, S, tokens, C]`` float32 on the device: what ``pipeline.decode_blocks``

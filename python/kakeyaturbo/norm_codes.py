@@ -18,7 +18,7 @@ import torch
 
 from ._runs import equal_runs
 
-__all__ = ["NormCodes", "decode_norms", "encode_norms"]
+__all__ = ["NormCodes", "StackedNorms", "decode_norms", "encode_norms"]
 
 #: Codes 1..STEPS + 1 span a stream's [smallest, largest] norm; code 0 is zero.
 STEPS = 254
@@ -88,13 +88,38 @@ def encode_norms(norms: torch.Tensor) -> NormCodes:
 
 def decode_norms(parts: list[NormCodes]) -> torch.Tensor:
     """The norms of consecutive blocks, concatenated: ``[rows, heads, sum(tokens)]`` float32."""
-    runs = [_decode_run(run) for run in equal_runs(parts, lambda p: p.codes.shape[-1])]
-    return torch.cat(runs, dim=-1) if len(runs) > 1 else runs[0]
+    return StackedNorms.of(parts).decode()
 
 
-def _decode_run(parts: Sequence[NormCodes]) -> torch.Tensor:
+@dataclass(eq=False)
+class StackedNorms:
+    """Consecutive blocks' norms laid out to decode in a few ops per step: each run of equally
+    long blocks' codes stacked ``[rows, heads, blocks, tokens]``, beside the log2 of its
+    smallest norm and its step (what the bounds give, computed once)."""
+
+    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (codes, log2 low, step)
+
+    @classmethod
+    def of(cls, parts: Sequence[NormCodes], device: torch.device | None = None) -> StackedNorms:
+        runs = []
+        for run in equal_runs(parts, lambda p: p.codes.shape[-1]):
+            codes = torch.stack([p.codes for p in run], dim=-2)
+            llo, step = _log_bounds(torch.stack([p.bounds for p in run], dim=-2))
+            # Contiguous: the low bounds are a view of both bounds' logs (held whole otherwise).
+            runs.append(tuple(t.to(device).contiguous() for t in (codes, llo, step)))
+        return cls(runs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for run in self.runs for t in run)
+
+    def decode(self) -> torch.Tensor:
+        """The norms ``[rows, heads, sum(tokens)]`` float32."""
+        out = [_decode_run(*run) for run in self.runs]
+        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+
+def _decode_run(codes: torch.Tensor, llo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     # Each block's bounds broadcast over its tokens: [R, H, blocks, tokens], then flattened.
-    codes = torch.stack([p.codes for p in parts], dim=-2)
-    llo, step = _log_bounds(torch.stack([p.bounds for p in parts], dim=-2))
     norms = codes.float().sub_(1).mul_(step[..., None]).add_(llo[..., None]).exp2_()
     return norms.masked_fill_(codes == 0, 0.0).flatten(-2)

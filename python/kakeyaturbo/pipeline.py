@@ -700,7 +700,7 @@ def _coded(blocks: Sequence[CodedBlock] | DeviceBlocks, rows: int) -> torch.Tens
 def _coded_norms(blocks: Sequence[CodedBlock] | BlockRun | DeviceBlocks) -> torch.Tensor:
     """The token norms ``[rows, heads, T]`` of blocks coded with them, where they are held."""
     if isinstance(blocks, DeviceBlocks):
-        return decode_norms(blocks.norms)  # type: ignore[arg-type]
+        return blocks.norms.decode()  # type: ignore[union-attr]
     if isinstance(blocks, BlockRun):
         blocks = blocks.blocks
     return decode_norms([blk.norms for blk in blocks])  # type: ignore[misc]

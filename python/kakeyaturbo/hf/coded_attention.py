@@ -50,6 +50,7 @@ import torch
 from ..device_decode import DeviceBlocks
 from ..pipeline import BlockRun
 from . import int8_rows
+from .same_tensors import same
 
 #: Where attention over the codes computes on the CPU: with the codec's kernels (each block
 #: decoded into a cache-sized scratch and finished there, no decoded copy of the layer; the
@@ -357,10 +358,11 @@ class CodedView:
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         b, h, rows, d = q.shape
         if not kernels:
-            pos = None
-            if lay._rope is not None:
-                pos = torch.cat([blk.positions for blk in self.blocks], dim=-1)
-            keys = pipe.decode(self.held.stored("k", q.device), li, "k", b, pos)
+            keys = pipe.decode(self.held.stored("k", q.device), li, "k", b)
+            if lay._rope is not None and pipe.recipe.pre_rope:
+                # The angles are every layer's: made once per forward (as pipe.decode would
+                # make them from the positions, for each layer).
+                keys = lay._rope.turn(keys, *self._cos_sin(q.device))
             return q @ keys.transpose(-1, -2)
         wide, frame, rotation = self._joint_query(q)
         precision = lay._ctx.attention_precision
@@ -496,6 +498,15 @@ class CodedView:
             lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
         )
 
+    def _cos_sin(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos_sin`` at the coded positions on ``dev``, once per forward."""
+        rope, blocks = self.layer._rope, self.blocks
+        return self._shared(
+            ("cos_sin", str(dev), self.held.positions),
+            (rope.inv_freq,),
+            lambda: rope.cos_sin(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
+        )
+
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:
         # Layers of a forward share the mask and the sinks' slots: the bias is built once and
         # reused while its inputs match.
@@ -545,9 +556,7 @@ class CodedView:
         """``make()``, computed once per forward for equal ``key`` and equal ``tensors``."""
         memo = self.layer._ctx.step.shared
         for k, ts, value in memo:
-            if k == key and all(
-                a is t or (a.shape == t.shape and torch.equal(a, t)) for a, t in zip(ts, tensors)
-            ):
+            if k == key and all(same(a, t) for a, t in zip(ts, tensors)):
                 return value
         value = make()
         memo.append((key, tensors, value))
