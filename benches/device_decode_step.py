@@ -106,8 +106,7 @@ def waits_per_step(model, ids, ctx: int, n: int, cache) -> collections.Counter:
     sites: collections.Counter = collections.Counter()
     steps(model, ids, ctx, 1, cache)
     on_cuda = model.device.type == "cuda"
-    shown = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning on leaving
         warnings.simplefilter("always")
         warnings.showwarning = lambda *a, **k: sites.update([f"wait at {call_site(1)}"])
         try:
@@ -119,7 +118,6 @@ def waits_per_step(model, ids, ctx: int, n: int, cache) -> collections.Counter:
         finally:
             if on_cuda:
                 torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = shown
     return sites
 
 

@@ -362,7 +362,7 @@ class CodedView:
             if lay._rope is not None and pipe.recipe.pre_rope:
                 # The angles are every layer's: made once per forward (as pipe.decode would
                 # make them from the positions, for each layer).
-                keys = lay._rope.turn(keys, *self._cos_sin(q.device))
+                keys = lay._rope.turn(keys, *self._rotation("cos_sin", q.device))
             return q @ keys.transpose(-1, -2)
         wide, frame, rotation = self._joint_query(q)
         precision = lay._ctx.attention_precision
@@ -484,27 +484,20 @@ class CodedView:
             lambda: rope.paired_order(d).to(dev),
         )
 
-    def _rotation(self, form: str) -> torch.Tensor:
-        """RoPE's rotation at the coded positions, ``"complex"`` (:meth:`RotarySpec.rotation`)
-        or ``"split"`` (:meth:`RotarySpec.split_rotation`). Every layer of a forward codes the
-        same token positions: computed once per forward and RoPE. The blocks' stored positions
-        (a row's first one, or all) tell equal position sets apart without expanding them."""
+    def _rotation(self, form: str, dev: Any = None) -> Any:
+        """RoPE's rotation at the coded positions, ``"complex"`` (:meth:`RotarySpec.rotation`),
+        ``"split"`` (:meth:`RotarySpec.split_rotation`) or ``"cos_sin"`` (the pair of
+        :meth:`RotarySpec.cos_sin`), on ``dev`` (default: where the positions are). Every layer
+        of a forward codes the same token positions: computed once per forward and RoPE. The
+        blocks' stored positions (a row's first one, or all) tell equal position sets apart
+        without expanding them."""
         rope, blocks = self.layer._rope, self.blocks
-        make = rope.rotation if form == "complex" else rope.split_rotation
-        dev = blocks[0].pos.device
+        make = {"complex": rope.rotation, "split": rope.split_rotation, "cos_sin": rope.cos_sin}
+        dev = blocks[0].pos.device if dev is None else dev
         return self._shared(
-            ("rotation", form, self.held.positions),
+            ("rotation", form, str(dev), self.held.positions),
             (rope.inv_freq,),
-            lambda: make(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
-        )
-
-    def _cos_sin(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's ``cos_sin`` at the coded positions on ``dev``, once per forward."""
-        rope, blocks = self.layer._rope, self.blocks
-        return self._shared(
-            ("cos_sin", str(dev), self.held.positions),
-            (rope.inv_freq,),
-            lambda: rope.cos_sin(torch.cat([blk.positions for blk in blocks], dim=-1), dev),
+            lambda: make[form](torch.cat([blk.positions for blk in blocks], dim=-1), dev),
         )
 
     def _shared_bias(self, mask: Any, b: int, tq: int, exact: int, dev) -> torch.Tensor:
