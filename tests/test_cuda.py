@@ -134,3 +134,23 @@ def test_device_decoder_on_the_gpu_gives_the_codecs_values(stream):
     assert torch.equal(y.cpu(), y_cpu)
     if scale_cpu is not None:  # exp2 and the norm's reduction may round differently there
         torch.testing.assert_close(scale.cpu(), scale_cpu, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_the_triton_decoder_compiles_and_gives_the_torch_decoders_bits(stream):
+    """The fused decoder (``fused_decode.py``) compiled for this GPU: the torch decoder's
+    values bit for bit on every run, and taken by ``PackedRun.decode`` after its check."""
+    from kakeyaturbo import fused_decode
+    from kakeyaturbo.device_decode import DeviceBlocks
+    from kakeyaturbo.pipeline import Pipeline
+    from kakeyaturbo.recipes import default_recipe
+
+    if fused_decode.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 700, 192, generator=g) * torch.linspace(0.05, 4.0, 192)
+    x[0, 1, 5, 3] = 300.0
+    held = DeviceBlocks.of(Pipeline(default_recipe()).encode(x, 0, stream), torch.device("cuda"))
+    for run, _ in held.runs:
+        assert torch.equal(fused_decode.decode(run), run.decode_with_torch())
+        assert fused_decode.usable(run)

@@ -5,7 +5,8 @@ The codec's own decoder runs on the CPU. A model on an accelerator that attends 
 step and copy the coordinates over, so the CPU sets the pace (``docs/speed.md``). Here a
 stream kind's blocks are held on the device once, when they are written (their packed code
 streams and side values as stored: :class:`DeviceBlocks`), and each step decodes them there
-with a handful of gathers and multiply-adds per run of equal blocks.
+with a handful of gathers and multiply-adds per run of equal blocks (on a GPU with Triton, one
+kernel per run: ``fused_decode.py``).
 
 The arithmetic is the codec's, in its order (:func:`kakeyaturbo._core.waterfill_sections`):
 component ``j`` of a vector is ``mean_j + (level(code) * sigma_j) * gain(bits_j)``, ``mean_j``
@@ -25,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from . import _core
+from . import _core, fused_decode
 from ._runs import equal_runs
 from .norm_codes import StackedNorms
 
@@ -147,7 +148,14 @@ class PackedRun:
         return sum(t.numel() * t.element_size() for t in held)
 
     def decode(self) -> torch.Tensor:
-        """``[K, n, d]`` float32 on the run's device, as the codec decodes it."""
+        """``[K, n, d]`` float32 on the run's device, as the codec decodes it: by one Triton
+        kernel on a GPU (``fused_decode.py``), else by :meth:`decode_with_torch`."""
+        if fused_decode.usable(self):
+            return fused_decode.decode(self)
+        return self.decode_with_torch()
+
+    def decode_with_torch(self) -> torch.Tensor:
+        """:meth:`decode` by 27 torch ops, on any device."""
         dev = self.codes.device
         bits = self.bits.long()
         vector = _on(f"arange {self.n}", lambda: torch.arange(self.n), dev)
