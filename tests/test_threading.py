@@ -3,6 +3,9 @@ the core) gives results identical to a single-threaded run."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -66,3 +69,21 @@ def test_the_codec_runs_on_torch_threads_with_identical_results(real_kv):
     finally:
         kt.share_torch_threads(shared)
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("policy", "where"), [("PASSIVE", "rayon"), ("passive ", "rayon"), ("ACTIVE", "team")]
+)
+def test_a_passive_openmp_team_leaves_the_codec_on_its_own_pool(policy, where):
+    """With ``OMP_WAIT_POLICY=PASSIVE`` torch's threads sleep between its ops, so the codec
+    keeps to its own pool (where its idle worker can make keys ahead) even with torch on 2
+    threads; any other policy lends it torch's team. Read at import: a fresh process."""
+    pytest.importorskip("torch")
+    script = (
+        "import torch, kakeyaturbo as kt; torch.set_num_threads(2); "
+        "print(kt._core._workers()[0], kt.share_torch_threads(True))"
+    )
+    env = dict(os.environ, OMP_WAIT_POLICY=policy)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [where, str(where == "team")]

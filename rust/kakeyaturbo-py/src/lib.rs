@@ -42,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
     m.add_function(wrap_pyfunction!(codec::waterfill_sections, m)?)?;
     m.add_function(wrap_pyfunction!(workers::share_torch_threads, m)?)?;
+    workers::follow_wait_policy();
     m.add_function(wrap_pyfunction!(workers::_workers, m)?)?;
     m.add(
         "KakeyaTurboError",

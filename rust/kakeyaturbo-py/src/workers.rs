@@ -3,7 +3,8 @@
 //! **On torch's OpenMP team** when torch runs more than one intra-op thread
 //! (`torch.set_num_threads`; `openmp.rs`): the codec's loops become regions of that team, so
 //! the codec uses the threads torch uses, and no second set of threads competes with torch's
-//! spinning ones for the cores. [`share_torch_threads`] turns this off.
+//! spinning ones for the cores. [`share_torch_threads`] turns this off, and so does
+//! `OMP_WAIT_POLICY=PASSIVE` ([`follow_wait_policy`]).
 //!
 //! **On a rayon pool the calling thread belongs to** otherwise (torch on one thread leaves the
 //! other cores idle; a numpy caller has no team to lend). A decode step calls the attention
@@ -31,11 +32,26 @@ use crate::openmp;
 static SHARE_TORCH_THREADS: AtomicBool = AtomicBool::new(true);
 
 /// Whether the codec runs on torch's OpenMP team when torch has more than one thread (on by
-/// default); sets it to `enabled` and returns what it was. Off, the codec keeps to its own
+/// default, off where `OMP_WAIT_POLICY=PASSIVE`); sets it to `enabled` and returns what it was. Off, the codec keeps to its own
 /// rayon pool whatever torch does.
 #[pyfunction]
 pub fn share_torch_threads(enabled: bool) -> bool {
     SHARE_TORCH_THREADS.swap(enabled, Ordering::Relaxed)
+}
+
+/// The default of [`share_torch_threads`] from the environment, read once at import: off where
+/// `OMP_WAIT_POLICY=PASSIVE`. Torch's OpenMP threads then sleep between its ops instead of
+/// spinning, so the codec's own pool no longer fights them for the cores, and its idle worker
+/// makes the next layers' keys beside the model (which it cannot do on torch's team). With 2
+/// torch threads on a 2-core Zen 1, a 4k decode step of SmolLM2 with the default bundle took
+/// 264-284 ms per step on the codec's pool against 306-318 ms on torch's team (docs/speed.md,
+/// 32nd session); under the default policy that pool took 397 ms, torch's team 294.
+pub fn follow_wait_policy() {
+    let passive =
+        std::env::var("OMP_WAIT_POLICY").is_ok_and(|v| v.trim().eq_ignore_ascii_case("passive"));
+    if passive {
+        SHARE_TORCH_THREADS.store(false, Ordering::Relaxed);
+    }
 }
 
 /// Where the codec's parallel loops run on this thread now: `("team", n)` on torch's OpenMP
