@@ -32,8 +32,8 @@ use crate::openmp;
 static SHARE_TORCH_THREADS: AtomicBool = AtomicBool::new(true);
 
 /// Whether the codec runs on torch's OpenMP team when torch has more than one thread (on by
-/// default, off where `OMP_WAIT_POLICY=PASSIVE`); sets it to `enabled` and returns what it was. Off, the codec keeps to its own
-/// rayon pool whatever torch does.
+/// default, off where `OMP_WAIT_POLICY=PASSIVE`); sets it to `enabled` and returns what it
+/// was. Off, the codec keeps to its own rayon pool whatever torch does.
 #[pyfunction]
 pub fn share_torch_threads(enabled: bool) -> bool {
     SHARE_TORCH_THREADS.swap(enabled, Ordering::Relaxed)
