@@ -68,6 +68,10 @@ def _levels_on(device: torch.device) -> torch.Tensor:
     return _on("levels", _LEVELS.flatten, device)
 
 
+def _level_rows_on(device: torch.device) -> torch.Tensor:
+    return _on("level rows", lambda: _LEVELS, device)
+
+
 @dataclass(eq=False)
 class PackedRun:
     """Equally long coded streams (``K`` stream-blocks of ``n`` vectors of ``d`` values) held
@@ -146,6 +150,11 @@ class PackedRun:
         held = (self.codes, self.first, self.per_vector, self.bits, self.sigma, self.mean)
         held += (self.gains, self.outlier_pos, self.outlier_dec)
         return sum(t.numel() * t.element_size() for t in held)
+
+    def level_rows(self) -> torch.Tensor:
+        """The codebooks' levels ``[MAX_WIDTH + 1, 256]`` float32 on the run's device (row
+        ``b`` the ``b``-bit codebook, zero-padded; shared by every run there)."""
+        return _level_rows_on(self.codes.device)
 
     def decode(self) -> torch.Tensor:
         """``[K, n, d]`` float32 on the run's device, as the codec decodes it: by one Triton

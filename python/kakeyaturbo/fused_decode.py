@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .device_decode import PackedRun
 
 try:
     import triton
@@ -44,9 +41,10 @@ MAX_BLOCK_D = 128
 _CHECKED: dict[str, bool] = {}
 
 
-def usable(run: PackedRun) -> bool:
-    """Whether ``run`` decodes with the kernel: on a CUDA device, with Triton, not disabled
-    by ``KAKEYATURBO_TRITON=0``, and (from the second call on) checked there."""
+def usable(run: Any) -> bool:
+    """Whether ``run`` (a ``device_decode.PackedRun``) decodes with the kernel: on a CUDA
+    device, with Triton, not disabled by ``KAKEYATURBO_TRITON=0``, and checked there (its
+    first call on each device checks)."""
     dev = run.codes.device
     if triton is None or dev.type != "cuda" or os.environ.get("KAKEYATURBO_TRITON") == "0":
         return False
@@ -56,7 +54,7 @@ def usable(run: PackedRun) -> bool:
     return _CHECKED[key]
 
 
-def _agrees(run: PackedRun) -> bool:
+def _agrees(run: Any) -> bool:
     """Whether the kernel decodes ``run`` as the torch decoder does, bit for bit (once per
     device: this waits for the device)."""
     try:
@@ -79,13 +77,12 @@ def _agrees(run: PackedRun) -> bool:
     return same
 
 
-def decode(run: PackedRun) -> torch.Tensor:
-    """``[K, n, d]`` float32: ``run`` decoded by the kernel (on its device; on the CPU only
-    in Triton's interpreter)."""
+def decode(run: Any) -> torch.Tensor:
+    """``[K, n, d]`` float32: ``run`` (a ``device_decode.PackedRun``) decoded by the kernel
+    (on its device; on the CPU only in Triton's interpreter)."""
     if triton is None:
         raise RuntimeError("the fused decoder needs Triton, which is not installed")
-    from .device_decode import MAX_WIDTH, _levels_on
-
+    levels = run.level_rows()  # [widths, entries]: row b the b-bit codebook, zero-padded
     k, d = run.bits.shape
     out = torch.empty(k, run.n, d, dtype=torch.float32, device=run.codes.device)
     if out.numel():
@@ -99,11 +96,11 @@ def decode(run: PackedRun) -> torch.Tensor:
             run.sigma,
             run.mean,
             run.gains,
-            _levels_on(run.codes.device),
+            levels,
             out,
             run.n,
             d,
-            LEVELS=1 << MAX_WIDTH,
+            LEVELS=levels.shape[1],
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
             enable_fp_fusion=False,  # mean + (level * sigma) * gain rounded as the codec does
@@ -123,8 +120,8 @@ if triton is not None:
         bits,  # uint8 [K, d]
         sigma,  # float16 [K, d]
         mean,  # [K, d], the skeleton dtype
-        gains,  # float32 [MAX_WIDTH + 1]
-        levels,  # float32 [(MAX_WIDTH + 1) * LEVELS]: the Gaussian codebooks, by width
+        gains,  # float32 [widths]
+        levels,  # float32 [widths, LEVELS]: the Gaussian codebooks, by width
         out,  # float32 [K, n, d]
         n,
         d,
