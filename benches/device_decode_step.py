@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from bench_args import add_model_and_text  # benches/, beside this script
+from kakeyaturbo import fused_decode
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
@@ -102,13 +103,16 @@ class CrossDeviceCopies(TorchDispatchMode):
 
 @torch.inference_mode()
 def waits_per_step(model, ids, ctx: int, n: int, cache) -> collections.Counter:
-    """Host waits (torch's CUDA sync debug mode) and copies across devices over ``n`` steps."""
+    """Host waits (the warnings of torch's CUDA sync debug mode; no other warning counts) and
+    copies across devices over ``n`` steps."""
     sites: collections.Counter = collections.Counter()
     steps(model, ids, ctx, 1, cache)
     on_cuda = model.device.type == "cuda"
     with warnings.catch_warnings():  # restores showwarning on leaving
         warnings.simplefilter("always")
-        warnings.showwarning = lambda *a, **k: sites.update([f"wait at {call_site(1)}"])
+        warnings.showwarning = lambda message, *a, **k: sites.update(
+            [f"wait at {call_site(1)}"] if "synchroniz" in str(message) else []
+        )
         try:
             if on_cuda:
                 torch.cuda.set_sync_debug_mode("warn")
@@ -203,6 +207,9 @@ def main() -> None:
             print(f"  {count / n:7.1f}  {site}")
         for site, count in ops.most_common(12):
             print(f"  {count / n:7.1f} ops  {site}")
+    # Whether runs of blocks decoded by the Triton kernel (fused_decode.py) or by torch ops.
+    checked = {dev: "used" if ok else "dropped" for dev, ok in fused_decode._CHECKED.items()}
+    print(f"\nTriton decoder: {checked or 'not used'} (KAKEYATURBO_TRITON=0 turns it off)")
 
 
 if __name__ == "__main__":
