@@ -64,14 +64,6 @@ def _on(name: str, make, device: torch.device) -> torch.Tensor:
     return _ON[key]
 
 
-def _levels_on(device: torch.device) -> torch.Tensor:
-    return _on("levels", _LEVELS.flatten, device)
-
-
-def _level_rows_on(device: torch.device) -> torch.Tensor:
-    return _on("level rows", lambda: _LEVELS, device)
-
-
 @dataclass(eq=False)
 class PackedRun:
     """Equally long coded streams (``K`` stream-blocks of ``n`` vectors of ``d`` values) held
@@ -154,7 +146,7 @@ class PackedRun:
     def level_rows(self) -> torch.Tensor:
         """The codebooks' levels ``[MAX_WIDTH + 1, 256]`` float32 on the run's device (row
         ``b`` the ``b``-bit codebook, zero-padded; shared by every run there)."""
-        return _level_rows_on(self.codes.device)
+        return _on("levels", lambda: _LEVELS, self.codes.device)
 
     def decode(self) -> torch.Tensor:
         """``[K, n, d]`` float32 on the run's device, as the codec decodes it: by one Triton
@@ -173,9 +165,13 @@ class PackedRun:
         codes = self.codes.int()
         word = codes[byte] | (codes[byte + 1] << 8)  # a code spans at most two bytes
         code = (word >> (start & 7)) & _on("masks", lambda: _MASKS, dev)[bits][:, None, :]
-        level = _levels_on(dev)[(bits << MAX_WIDTH)[:, None, :] + code]
+        level = self.level_rows().view(-1)[(bits << MAX_WIDTH)[:, None, :] + code]
         sigma, mean = self.sigma.float()[:, None, :], self.mean.float()[:, None, :]
-        y = mean + (level * sigma) * self.gains[bits][:, None, :]
+        return self.put_outliers(mean + (level * sigma) * self.gains[bits][:, None, :])
+
+    def put_outliers(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (``[K, n, d]``, every other value decoded) with the outliers' exact values put
+        in place: the last step of either decoder."""
         if self.outlier_pos.numel():
             y.view(-1)[self.outlier_pos] = self.outlier_dec
         return y

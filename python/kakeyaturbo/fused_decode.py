@@ -105,9 +105,7 @@ def decode(run: Any) -> torch.Tensor:
             BLOCK_D=block_d,
             enable_fp_fusion=False,  # mean + (level * sigma) * gain rounded as the codec does
         )
-    if run.outlier_pos.numel():
-        out.view(-1)[run.outlier_pos] = run.outlier_dec
-    return out
+    return run.put_outliers(out)
 
 
 if triton is not None:
