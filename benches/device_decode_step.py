@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from bench_args import add_model_and_text  # benches/, beside this script
-from kakeyaturbo import fused_decode
+from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
@@ -207,9 +207,11 @@ def main() -> None:
             print(f"  {count / n:7.1f}  {site}")
         for site, count in ops.most_common(12):
             print(f"  {count / n:7.1f} ops  {site}")
-    # Whether runs of blocks decoded by the Triton kernel (fused_decode.py) or by torch ops.
-    checked = {dev: "used" if ok else "dropped" for dev, ok in fused_decode._CHECKED.items()}
-    print(f"\nTriton decoder: {checked or 'not used'} (KAKEYATURBO_TRITON=0 turns it off)")
+    # Whether the Triton kernels ran (fused_*.py) or torch ops did.
+    kernels = (fused_decode.KERNEL, fused_decode.NORMS, fused_attention.KERNEL)
+    for kernel in (*kernels, fused_int8_rows.KERNEL):
+        standing = kernel.standing() or "not used"
+        print(f"Triton {kernel.name}: {standing} (KAKEYATURBO_TRITON=0 turns it off)")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,6 @@ process); tests/test_cuda.py runs the compiled kernel where a GPU is present."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 
 from kakeyaturbo import fused_decode
 from kakeyaturbo.device_decode import PackedRun
+from triton_interpreter import run_interpreted  # tests/, beside this file
 
 pytestmark = pytest.mark.skipif(fused_decode.triton is None, reason="Triton is not installed")
 
@@ -49,12 +47,54 @@ INTERPRETED = textwrap.dedent(
 
 
 def test_the_kernel_decodes_the_torch_decoders_bits_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "runs checked 16" in done.stdout
+    assert "runs checked 16" in run_interpreted(INTERPRETED)
+
+
+# Token norms over 10 octaves with exact zeros, a stream of zeros only, runs of two 256-token
+# blocks and of one 188-token block: within the tolerance of torch's ops, zeros exactly zero.
+NORMS = textwrap.dedent(
+    """
+    import torch
+    from kakeyaturbo import fused_decode
+    from kakeyaturbo.norm_codes import StackedNorms, decode_run_with_torch, encode_norms
+
+    g = torch.Generator().manual_seed(5)
+    n = (torch.randn(2, 3, 700, generator=g) * 1.7).exp()
+    n[0, 1, 5:40] = 0.0
+    n[1, 2] = 0.0
+    held = StackedNorms.of([encode_norms(n[..., i : i + 256]) for i in range(0, 700, 256)])
+    for run in held.runs:
+        got, want = fused_decode.decode_norms(*run), decode_run_with_torch(*run)
+        assert got.shape == want.shape and torch.equal(got == 0, want == 0)
+        assert ((got - want).abs() <= fused_decode.NORM_TOLERANCE * want.abs()).all()
+        assert fused_decode._norms_close(*run, decode_run_with_torch)
+    print("norm runs checked", len(held.runs))
+    """
+)
+
+
+def test_the_norm_kernel_decodes_the_torch_norms_in_the_interpreter():
+    assert "norm runs checked 2" in run_interpreted(NORMS)
+
+
+def test_a_norm_kernel_that_disagrees_is_dropped_and_the_cpu_uses_torch(monkeypatch):
+    from kakeyaturbo.norm_codes import StackedNorms, decode_run_with_torch, encode_norms
+
+    norms = torch.rand(1, 2, 300, generator=torch.Generator().manual_seed(6)) + 0.5
+    run = StackedNorms.of([encode_norms(norms)]).runs[0]
+    assert not fused_decode.norms_usable(*run, decode_run_with_torch)  # the CPU
+    assert torch.allclose(StackedNorms.of([encode_norms(norms)]).decode(), norms, rtol=0.02)
+
+    def agrees() -> bool:
+        check = lambda: fused_decode._norms_close(*run, decode_run_with_torch)  # noqa: E731
+        return fused_decode.NORMS.agrees(run[0].device, check)
+
+    off = lambda *a: decode_run_with_torch(*a) * (1 + 4 * fused_decode.NORM_TOLERANCE)  # noqa: E731
+    monkeypatch.setattr(fused_decode, "decode_norms", off)
+    with pytest.warns(RuntimeWarning, match="norm decoder disagrees"):
+        assert not agrees()
+    monkeypatch.setattr(fused_decode, "decode_norms", decode_run_with_torch)
+    assert agrees()
 
 
 def _run() -> PackedRun:
@@ -79,11 +119,14 @@ def test_a_kernel_that_fails_or_disagrees_is_dropped_with_a_warning(monkeypatch)
     def broken(_run):
         raise RuntimeError("no such device function")
 
+    def agrees() -> bool:
+        return fused_decode.KERNEL.agrees(run.codes.device, lambda: fused_decode._same_bits(run))
+
     monkeypatch.setattr(fused_decode, "decode", broken)
-    with pytest.warns(RuntimeWarning, match="failed on cpu"):
-        assert not fused_decode._agrees(run)
+    with pytest.warns(RuntimeWarning, match="decoder failed on cpu"):
+        assert not agrees()
     monkeypatch.setattr(fused_decode, "decode", lambda r: r.decode_with_torch() + 1.0)
     with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not fused_decode._agrees(run)
+        assert not agrees()
     monkeypatch.setattr(fused_decode, "decode", lambda r: r.decode_with_torch())
-    assert fused_decode._agrees(run)
+    assert agrees()

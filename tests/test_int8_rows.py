@@ -109,3 +109,64 @@ def test_the_codec_encoder_refuses_bad_input_by_name():
         _core.int8_rows_encode(np.ones((2, 8), dtype=np.float32)[:, ::2])
     with pytest.raises(TypeError, match="the last not empty"):
         _core.int8_rows_encode(np.ones((2, 0), dtype=np.float32))
+
+
+# The Triton encoder (fused_int8_rows.py, a GPU's) in Triton's interpreter (set before Triton
+# is imported: a fresh process): encode_torch's bytes for rows of every magnitude, exact
+# halves, a zero row, subnormal rows, infinities, NaN (its scale any NaN), narrow and odd
+# widths, three dtypes; and the check refuses rows that differ by one code.
+FUSED = """
+import torch
+from kakeyaturbo import fused_int8_rows as fused
+from kakeyaturbo.hf.int8_rows import encode_torch
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(2, 3, 37, 64, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+x[0, 0, 0] = 0.0
+x[0, 0, 1, 5] = float("nan")
+x[0, 0, 2, 7] = float("inf")
+x[0, 0, 3] = 1e-40
+x[0, 0, 4] = torch.arange(64) - 31.5
+x[0, 0, 5] = (torch.arange(64) - 32) * (127 / 32)
+x[0, 0, 6, :3] = float("-inf")
+checked = 0
+for rows in (x, x.bfloat16(), x.half(), x[..., :48], x[..., :5], x[:, :, :0]):
+    got, want = fused.encode(rows), encode_torch(rows)
+    assert fused.same_rows(got, want), rows.dtype
+    finite = want[..., -2:].contiguous().view(torch.bfloat16).isfinite().squeeze(-1)
+    assert torch.equal(got[finite], want[finite])
+    checked += 1
+off = encode_torch(x)
+off[1, 2, 3, 4] += 1
+assert not fused.same_rows(fused.encode(x), off)
+print("row sets checked", checked)
+"""
+
+
+def test_the_triton_encoder_gives_the_torch_bytes_in_the_interpreter():
+    from kakeyaturbo import fused_int8_rows
+    from triton_interpreter import run_interpreted  # tests/, beside this file
+
+    if fused_int8_rows.triton is None:
+        pytest.skip("Triton is not installed")
+    assert "row sets checked 6" in run_interpreted(FUSED)
+
+
+def test_off_a_gpu_the_codec_encodes_and_a_disagreeing_kernel_is_dropped(monkeypatch):
+    from kakeyaturbo import fused_int8_rows
+
+    x = rows()
+    assert not fused_int8_rows.usable(x, int8_rows.encode_torch)  # the CPU: the codec
+    kernel = fused_int8_rows.KERNEL
+
+    def agrees(encode) -> bool:
+        monkeypatch.setattr(fused_int8_rows, "encode", encode)
+
+        def check() -> bool:
+            return fused_int8_rows.same_rows(fused_int8_rows.encode(x), int8_rows.encode_torch(x))
+
+        return kernel.agrees(x.device, check)
+
+    with pytest.warns(RuntimeWarning, match="int8 row encoder disagrees"):
+        assert not agrees(lambda r: int8_rows.encode_torch(r * 1.5))
+    assert agrees(int8_rows.encode_torch)

@@ -1,4 +1,5 @@
-"""One Triton kernel for a run of coded blocks held on a GPU (``device_decode.PackedRun``).
+"""Triton kernels that decode what coded blocks hold on a GPU: a run of blocks
+(``device_decode.PackedRun``) and their token norms (``norm_codes.StackedNorms``).
 
 The torch decoder of ``device_decode.py`` takes 27 small ops per run of blocks. On a GPU each
 is a kernel launch the host queues one by one, and an H100 decode step of SmolLM2 was about
@@ -15,66 +16,84 @@ on each device is checked against the torch decoder bit for bit; a kernel that f
 or disagrees there is not used again in the process (a warning says so) and the torch ops
 decode instead. ``tests/test_fused_decode.py`` runs the kernel in Triton's interpreter on the
 CPU (``TRITON_INTERPRET=1``).
+
+The token norms of a run of blocks took 7 torch ops per run (one run of value norms per layer
+in the default recipe: 210 of a SmolLM2 decode step's launches): :func:`decode_norms` takes one,
+``exp2((code - 1) * step + low)`` with zero for code 0, the torch ops' float32 operations in
+their order. Its first call on each device is checked against them to
+:data:`NORM_TOLERANCE` (a GPU's exp2 in Triton need not round as torch's does).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # not installed (CPU-only torch builds) or broken: the torch ops decode
-    triton = None
+from ._triton import CheckedKernel, tl, triton
 
-__all__ = ["decode", "usable"]
+__all__ = ["KERNEL", "NORMS", "decode", "decode_norms", "norms_usable", "usable"]
 
 #: Vectors and components per program: 32 x 128 values, 16 KB of output.
 BLOCK_N = 32
 MAX_BLOCK_D = 128
 
-# Per device: True once the first decode matched the torch decoder, False if it did not.
-_CHECKED: dict[str, bool] = {}
+#: The kernel's standing per device (its first decode there is checked bit for bit).
+KERNEL = CheckedKernel("decoder")
+#: The norm kernel's standing per device, and how far its norms may be from torch's (relative).
+NORMS = CheckedKernel("norm decoder")
+NORM_TOLERANCE = 1e-6
+#: Tokens per program of the norm kernel.
+NORM_BLOCK = 256
 
 
 def usable(run: Any) -> bool:
     """Whether ``run`` (a ``device_decode.PackedRun``) decodes with the kernel: on a CUDA
     device, with Triton, not disabled by ``KAKEYATURBO_TRITON=0``, and checked there (its
     first call on each device checks)."""
-    dev = run.codes.device
-    if triton is None or dev.type != "cuda" or os.environ.get("KAKEYATURBO_TRITON") == "0":
-        return False
-    key = str(dev)
-    if key not in _CHECKED:
-        _CHECKED[key] = _agrees(run)
-    return _CHECKED[key]
+    return KERNEL.usable(run.codes.device, lambda: _same_bits(run))
 
 
-def _agrees(run: Any) -> bool:
-    """Whether the kernel decodes ``run`` as the torch decoder does, bit for bit (once per
-    device: this waits for the device)."""
-    try:
-        same = torch.equal(decode(run), run.decode_with_torch())
-    except Exception as err:  # a build or launch failure on this device: say so, go on
-        warnings.warn(
-            f"kakeyaturbo: the Triton decoder failed on {run.codes.device} ({err!r}); "
-            "decoding with torch ops",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _same_bits(run: Any) -> bool:
+    """Whether the kernel decodes ``run`` as the torch decoder does, bit for bit."""
+    return torch.equal(decode(run), run.decode_with_torch())
+
+
+def norms_usable(codes: torch.Tensor, low: torch.Tensor, step: torch.Tensor, with_torch) -> bool:
+    """Whether :func:`decode_norms` runs the kernel for a run's norms (arguments as there):
+    on a CUDA device, with Triton, not disabled, and checked there against ``with_torch``
+    (the same arguments' norms by torch ops: ``norm_codes.decode_run_with_torch``)."""
+    return NORMS.usable(codes.device, lambda: _norms_close(codes, low, step, with_torch))
+
+
+def _norms_close(codes, low, step, with_torch) -> bool:
+    got, want = decode_norms(codes, low, step), with_torch(codes, low, step)
+    if got.shape != want.shape or not torch.equal(got == 0, want == 0):
         return False
-    if not same:
-        warnings.warn(
-            f"kakeyaturbo: the Triton decoder disagrees with the torch decoder on "
-            f"{run.codes.device}; decoding with torch ops",
-            RuntimeWarning,
-            stacklevel=3,
+    return bool(((got - want).abs() <= NORM_TOLERANCE * want.abs()).all())
+
+
+def decode_norms(codes: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """A run's token norms ``[R, H, blocks * tokens]`` float32 by the kernel: ``codes`` uint8
+    ``[R, H, blocks, tokens]``, ``low`` and ``step`` float32 ``[R, H, blocks]`` (the log2 of
+    each block stream's smallest norm, and its step)."""
+    if triton is None:
+        raise RuntimeError("the fused norm decoder needs Triton, which is not installed")
+    tokens = codes.shape[-1]
+    codes, low, step = codes.contiguous(), low.contiguous(), step.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    if out.numel():
+        streams = low.numel()
+        _norms_kernel[(streams, triton.cdiv(tokens, NORM_BLOCK))](
+            codes,
+            low,
+            step,
+            out,
+            tokens,
+            BLOCK=NORM_BLOCK,
+            enable_fp_fusion=False,  # (code - 1) * step, then + low: two roundings, as torch
         )
-    return same
+    return out.flatten(-2)
 
 
 def decode(run: Any) -> torch.Tensor:
@@ -146,3 +165,19 @@ if triton is not None:
         level = tl.load(levels + (b * LEVELS)[None, :] + code, mask=ok, other=0.0)
         y = m[None, :] + (level * s[None, :]) * g[None, :]
         tl.store(out + (k * n + t.to(tl.int64))[:, None] * d + j[None, :], y, mask=ok)
+
+    @triton.jit
+    def _norms_kernel(
+        codes,  # uint8 [streams, tokens]: one block stream's norm codes per row
+        low,  # float32 [streams]: log2 of its smallest norm
+        step,  # float32 [streams]: its log2 step per code
+        out,  # float32 [streams, tokens]
+        tokens,
+        BLOCK: tl.constexpr,
+    ):
+        s = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = t < tokens
+        code = tl.load(codes + s * tokens + t, mask=ok, other=0).to(tl.float32)
+        lg = (code - 1.0) * tl.load(step + s) + tl.load(low + s)
+        tl.store(out + s * tokens + t, tl.where(code == 0.0, 0.0, tl.exp2(lg)), mask=ok)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import fused_decode
 from ._runs import equal_runs
 
 __all__ = ["NormCodes", "StackedNorms", "decode_norms", "encode_norms"]
@@ -114,12 +115,23 @@ class StackedNorms:
         return sum(t.numel() * t.element_size() for run in self.runs for t in run)
 
     def decode(self) -> torch.Tensor:
-        """The norms ``[rows, heads, sum(tokens)]`` float32."""
+        """The norms ``[rows, heads, sum(tokens)]`` float32 (on a GPU by one Triton kernel per
+        run, ``fused_decode.decode_norms``)."""
         out = [_decode_run(*run) for run in self.runs]
         return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
 
 
 def _decode_run(codes: torch.Tensor, llo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    # Each block's bounds broadcast over its tokens: [R, H, blocks, tokens], then flattened.
+    if fused_decode.norms_usable(codes, llo, step, decode_run_with_torch):
+        return fused_decode.decode_norms(codes, llo, step)
+    return decode_run_with_torch(codes, llo, step)
+
+
+def decode_run_with_torch(
+    codes: torch.Tensor, llo: torch.Tensor, step: torch.Tensor
+) -> torch.Tensor:
+    """A run's norms ``[R, H, blocks * tokens]`` by torch ops: ``codes`` ``[R, H, blocks,
+    tokens]``, each block's bounds (``llo``, ``step``: ``[R, H, blocks]``) broadcast over its
+    tokens."""
     norms = codes.float().sub_(1).mul_(step[..., None]).add_(llo[..., None]).exp2_()
     return norms.masked_fill_(codes == 0, 0.0).flatten(-2)

@@ -312,34 +312,54 @@ class Pipeline:
         return torch.from_numpy(_codec.decode_norm_codes(codes, rows * heads)).view(rows, heads, -1)
 
     def joint_frame(
-        self, layer: int, stream: str, order: Optional[tuple[Any, torch.Tensor]] = None
+        self,
+        layer: int,
+        stream: str,
+        order: Optional[tuple[Any, torch.Tensor]] = None,
+        device: Optional[torch.device] = None,
     ) -> torch.Tensor:
         """``[H*D, H*D]`` float32 ``M``: the coordinates ``y`` of blocks coded across heads go
         to the heads' ``x`` side by side (pre-RoPE keys, values) as ``y @ M`` (before each
         head's scale, for streams with token norms). ``order``: ``(name, columns)``, ``M``'s
-        columns in that order (attention's RoPE layout), made once per name too."""
+        columns in that order (attention's RoPE layout), made once per name too. On
+        ``device`` (default: the CPU; copied there once per bundle)."""
         # Bundle data: made once per bundle, held by it and shared by every cache and sequence
         # (a cache holding its own would hold 8.8 MB more on SmolLM2).
         derived, key = self.calibration.derived, ("joint frame", layer, stream)
         if key not in derived:
             inv = self._transforms.matrix(layer, stream, "inv")  # type: ignore[union-attr]
             derived[key] = self._joint(layer, stream).T @ torch.block_diag(*inv)
-        if order is None:
-            return derived[key]
-        name, columns = order
-        if (key, name) not in derived:
-            derived[(key, name)] = derived[key].index_select(-1, columns)
-        return derived[(key, name)]
+        if order is not None:
+            name, columns = order
+            if (key, name) not in derived:
+                derived[(key, name)] = derived[key].index_select(-1, columns.cpu())
+            key = (key, name)
+        return self._bundle_on(derived[key], key, device)
 
-    def joint_head_frames(self, layer: int, stream: str) -> torch.Tensor:
+    def joint_head_frames(
+        self, layer: int, stream: str, device: Optional[torch.device] = None
+    ) -> torch.Tensor:
         """:meth:`joint_frame` split by head, ``[H, H*D, D]``: head ``h``'s ``x`` is ``y @
-        frames[h]`` (contiguous, as the codec's kernels read it; bundle data, made once)."""
+        frames[h]`` (contiguous, as the codec's kernels read it; bundle data, made once), on
+        ``device`` (default: the CPU)."""
         derived, key = self.calibration.derived, ("joint head frames", layer, stream)
         if key not in derived:
             frame = self.joint_frame(layer, stream)
             heads = len(self._transforms.matrix(layer, stream, "inv"))  # type: ignore[union-attr]
             derived[key] = frame.view(frame.shape[0], heads, -1).transpose(0, 1).contiguous()
-        return derived[key]
+        return self._bundle_on(derived[key], key, device)
+
+    def _bundle_on(self, m: torch.Tensor, key: tuple, device: Optional[torch.device]):
+        """``m`` (bundle data named ``key``) on ``device``, copied there once per bundle."""
+        if device is None:
+            return m
+        return self._transforms.on(m, key, torch.device(device))  # type: ignore[union-attr]
+
+    def joint_codes(self, blocks: list[CodedBlock] | DeviceBlocks, rows: int) -> torch.Tensor:
+        """The codec's output for blocks coded across heads, ``[rows, T, H*D]`` float32 where
+        the blocks are held: :meth:`joint_frame` takes it to the heads (times
+        :meth:`joint_scales`, for streams with token norms)."""
+        return _coded(blocks, rows)[:, 0]
 
     def decode_frame(self, blocks: list[CodedBlock], stream: str, rows: int) -> torch.Tensor:
         """:meth:`decode` up to the coding frame: ``y`` ``[rows, H, sum(tokens), D]`` float32,

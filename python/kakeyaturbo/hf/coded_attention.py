@@ -33,11 +33,12 @@ into a scratch buffer that stays in cache and finished there (frame, RoPE, logit
 weighted sum), blocks in parallel, so no decoded copy of the layer is ever written. On other
 devices the blocks are held there as stored (their packed codes and side values, copied once
 when the blocks change: :class:`~kakeyaturbo.device_decode.DeviceBlocks`), decoded to frame
-coordinates there by torch ops each call, and the same arithmetic runs in torch
-(``CPU_KERNELS = False`` runs that path on the CPU too). Nothing decoded outlives the call, so
-the cache holds what its ``memory_report`` says (the copies on a device under
-``device_copy_bytes``). The codes are the ones the dense path
-decodes: outputs agree with it to float32 rounding.
+coordinates there each call, and the same arithmetic runs in torch (``CPU_KERNELS = False``
+runs that path on the CPU too); on a GPU, Triton kernels take the decode, the token norms and
+the logits of keys coded across heads (``fused_decode.py``, ``fused_attention.py``). Nothing
+decoded outlives the call, so the cache holds what its ``memory_report`` says (the copies on a
+device under ``device_copy_bytes``). The codes are the ones the dense path decodes: outputs
+agree with it to float32 rounding.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .. import fused_attention
 from ..device_decode import DeviceBlocks
 from ..pipeline import BlockRun
 from . import int8_rows
@@ -179,7 +181,7 @@ class CodedView:
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
             self._prepare_next(h, d)
-            return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+            return _as_returned(out.view(b, hq, tq, d), query.dtype)
         # One copy each: cat promotes a hot window held in a narrower dtype to the states'.
         value_runs = [int8_rows.decode(v) if v.dtype is torch.int8 else v for v in value_runs]
         key, value = torch.cat(key_runs, dim=-2).float(), torch.cat(value_runs, dim=-2).float()
@@ -213,7 +215,7 @@ class CodedView:
         if frame is not None:
             out = out @ frame
         out += probs[..., clen:] @ value
-        return out.view(b, hq, tq, d).transpose(1, 2).contiguous().to(query.dtype)
+        return _as_returned(out.view(b, hq, tq, d), query.dtype)
 
     def _codec_attend(
         self,
@@ -353,62 +355,72 @@ class CodedView:
     def _joint_logits(self, q: torch.Tensor, kernels: bool) -> torch.Tensor:
         """:meth:`_codec_logits` of blocks coded across heads (``[B, H, g*Tq, coded]``): by the
         codec's kernel as one virtual KV head of width ``H*D`` (see the module docstring), or,
-        off the CPU, against the decoded keys."""
+        off the CPU, from the coordinates decoded on the device (:meth:`_device_joint_logits`)."""
         lay = self.layer
-        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        pipe = lay._ctx.pipeline
         b, h, rows, d = q.shape
-        if not kernels:
-            keys = pipe.decode(self.held.stored("k", q.device), li, "k", b)
-            if lay._rope is not None and pipe.recipe.pre_rope:
-                # The angles are every layer's: made once per forward (as pipe.decode would
-                # make them from the positions, for each layer).
-                keys = lay._rope.turn(keys, *self._rotation("cos_sin", q.device))
-            return q @ keys.transpose(-1, -2)
-        wide, frame, rotation = self._joint_query(q)
-        precision = lay._ctx.attention_precision
-        logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation, precision)
+        if kernels:
+            wide, frame, rotation = self._joint_query(q)
+            precision = lay._ctx.attention_precision
+            logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation, precision)
+            held = self.held.keys
+        else:
+            held = self.held.stored("k", q.device)
+            logits = self._device_joint_logits(pipe.joint_codes(held, b), q)
         logits = logits.view(b, h, rows, -1)
         if pipe.recipe.token_norms("k"):
-            logits = logits * pipe.joint_scales(self.held.keys)[:, :, None]
+            logits = logits * pipe.joint_scales(held)[:, :, None]
         return logits
 
     def _joint_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """The queries ``q`` ``[B, H, rows, D]`` as the codec's kernels score keys coded
-        across heads: wide queries ``[B, 1, H*rows, H*D]`` (each row zero outside its head's
-        channels), the joint key frame ``[H*D, H*D]`` and RoPE's rotation, in the channel order
-        of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
+        """The queries ``q`` ``[B, H, rows, D]`` (on the CPU) as the codec's kernels score
+        keys coded across heads: wide queries ``[B, 1, H*rows, H*D]`` (each row zero outside
+        its head's channels), the joint key frame ``[H*D, H*D]`` and RoPE's rotation, in the
+        channel order of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
         b, h, rows, d = q.shape
-        # Query head i*g + j reads KV head i: its own channels only. One copy into the
-        # diagonal of [B, H, rows, H, D] (half the time of a slice copy per head).
-        wide = q.new_zeros(b, h, rows, h, d)
-        wide.diagonal(dim1=1, dim2=3).copy_(q.permute(0, 2, 3, 1))
-        wide = wide.view(b, 1, h * rows, h * d)
         frame, rotation = self._joint_keys(h, d)
-        if rotation is not None:
-            # index_select: a quarter of advanced indexing's time on the queries.
-            wide = wide.index_select(-1, self._joint_order_shared(h, d)[1])
-        return wide, frame, rotation
+        # Query head i*g + j reads KV head i: its own channels only.
+        order = None if rotation is None else self._joint_order_shared(h, d)[1]
+        wide = fused_attention.wide_queries(q, order)
+        return wide.view(b, 1, h * rows, h * d), frame, rotation
 
-    def _joint_keys(self, h: int, d: int) -> tuple[torch.Tensor, Any]:
-        """:meth:`_joint_query`'s joint key frame and rotation (no query needed)."""
+    def _device_joint_logits(self, y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, H*rows, T]`` of the queries ``q`` ``[B, H, rows, D]`` against keys coded
+        across heads whose coordinates ``y`` ``[B, T, H*D]`` were decoded on the device (off
+        the CPU kernels): with RoPE by one Triton kernel on a GPU (``fused_attention.py``),
+        else by torch ops; keys coded post-RoPE never leave the frame: ``(wide M^T) y^T``."""
+        b, h, rows, d = q.shape
+        frame, rotation = self._joint_keys(h, d, q.device)
+        if rotation is None:
+            wide = fused_attention.wide_queries(q)
+            return (wide @ frame.T) @ y.transpose(-1, -2)
+        order = self._joint_order_shared(h, d, q.device)[1]
+        if fused_attention.usable(y, frame, rotation, q, order):
+            return fused_attention.joint_key_logits(y, frame, rotation, q, order)
+        return fused_attention.joint_key_logits_with_torch(y, frame, rotation, q, order)
+
+    def _joint_keys(self, h: int, d: int, dev: Any = "cpu") -> tuple[torch.Tensor, Any]:
+        """:meth:`_joint_query`'s joint key frame and rotation (no query needed), on ``dev``."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
+        dev = torch.device(dev)
         if lay._rope is None:
-            return pipe.joint_frame(li, "k"), None
+            return pipe.joint_frame(li, "k", device=dev), None
         # The bundle keeps the frame in that order.
-        frame = pipe.joint_frame(li, "k", self._joint_order_shared(h, d))
+        frame = pipe.joint_frame(li, "k", self._joint_order_shared(h, d), dev)
         rotation = self._shared(
-            ("joint rotation", h, self.held.positions),
+            ("joint rotation", h, str(dev), self.held.positions),
             (lay._rope.inv_freq,),
-            lambda: self._rotation("split").repeat(1, 1, 1, h),
+            lambda: self._rotation("split", dev).repeat(1, 1, 1, h),
         )
         return frame, rotation
 
-    def _joint_order_shared(self, h: int, d: int) -> tuple[tuple, torch.Tensor]:
-        """(its name, :meth:`_joint_order`), made once per forward."""
+    def _joint_order_shared(self, h: int, d: int, dev: Any = "cpu") -> tuple[tuple, torch.Tensor]:
+        """(its name, :meth:`_joint_order` on ``dev``), made once per forward."""
         rope = self.layer._rope
         name = ("joint order", h, d, rope.rot_dim, rope.adjacent_pairs)
-        return name, self._shared(name, (), lambda: self._joint_order(h, d))
+        order = self._shared((*name, str(dev)), (), lambda: self._joint_order(h, d).to(dev))
+        return name, order
 
     def _joint_order(self, h: int, d: int) -> torch.Tensor:
         """The channel order of ``H`` heads side by side in which the kernel's pairs ``(i, i +
@@ -424,18 +436,20 @@ class CodedView:
     def _joint_value_sums(self, weights: torch.Tensor, kernels: bool) -> torch.Tensor:
         """``sum_t weights_t v_t`` ``[B, H, g*Tq, D]`` over values coded across heads: the
         codec's sums over the joint coordinates, each head's scale folded into its weights and
-        each head's slice of the joint frame turning them out (or, off the CPU, over the
-        decoded values)."""
+        each head's slice of the joint frame turning them out (off the CPU, the same sums over
+        the coordinates decoded on the device)."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         b, h, rows, t = weights.shape
-        if not kernels:
-            values = pipe.decode(self.held.stored("v", weights.device), li, "v", b)
-            return weights @ values
+        dev = weights.device
+        held = self.held.values if kernels else self.held.stored("v", dev)
         if pipe.recipe.token_norms("v"):
-            weights = weights * pipe.joint_scales(self.held.values)[:, :, None]
-        sums = pipe.value_sums(self.held.values, b, weights.reshape(b, 1, h * rows, t))
-        return sums.view(b, h, rows, -1) @ pipe.joint_head_frames(li, "v")
+            weights = weights * pipe.joint_scales(held)[:, :, None]
+        if kernels:
+            sums = pipe.value_sums(held, b, weights.reshape(b, 1, h * rows, t))
+        else:  # the coordinates decoded on the device, never taken to every head per token
+            sums = weights.reshape(b, h * rows, t) @ pipe.joint_codes(held, b)
+        return sums.view(b, h, rows, -1) @ pipe.joint_head_frames(li, "v", dev)
 
     def _split_layout(
         self, frame: torch.Tensor | None, *tensors: torch.Tensor
@@ -578,6 +592,12 @@ class CodedView:
         gather = idx.clamp(max=total - 1)[:, None, None, :].expand(*bias.shape[:3], -1)
         sinks = bias.gather(-1, gather).masked_fill(~held[:, None, None, :], float("-inf"))
         return torch.cat((coded, sinks, bias[..., clen:]), dim=-1)
+
+
+def _as_returned(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention's output ``[B, Hq, Tq, D]`` as an attention function returns it: ``[B, Tq, Hq,
+    D]``, contiguous, in ``dtype``, by one copy (one kernel on a GPU, not two)."""
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
 def mask_bias(mask: torch.Tensor | None, tq: int, total: int, dev) -> torch.Tensor:

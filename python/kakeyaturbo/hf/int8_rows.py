@@ -18,14 +18,15 @@ the row is flushed into a block.
 
 On the CPU the codec encodes (``_core.int8_rows_encode``, one call where torch takes a dozen
 small ops: 8 ms of a 4k SmolLM2 decode step) and its attention reads the rows as they are
-held; the torch code here, which gives the same bits, serves other devices.
+held; the torch code here, which gives the same bits, serves other devices (on a GPU, one Triton
+kernel does, ``fused_int8_rows.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import _core
+from .. import _core, fused_int8_rows
 
 #: Bytes each row carries beyond its ``D`` codes (the bfloat16 scale).
 SCALE_BYTES = 2
@@ -39,6 +40,8 @@ def encode(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.shape[-1] > 0:
         xf = x.detach().float().contiguous()
         return torch.from_numpy(_core.int8_rows_encode(xf.numpy()))
+    if fused_int8_rows.usable(x, encode_torch):  # a GPU: one Triton kernel, the same bytes
+        return fused_int8_rows.encode(x)
     return encode_torch(x)
 
 
@@ -62,7 +65,7 @@ def decode(held: torch.Tensor) -> torch.Tensor:
         )
     d = held.shape[-1] - SCALE_BYTES
     scale = held[..., d:].reshape(-1).view(torch.bfloat16).view(*held.shape[:-1], 1).float()
-    return held[..., :d].float() * scale
+    return held[..., :d] * scale  # int8 times float32 is float32: one op, code * scale exact
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:

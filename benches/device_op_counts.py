@@ -1,0 +1,168 @@
+"""Torch ops and Triton launches of one decode step as a GPU would make them, counted on the
+CPU: DynamicCache's, and KakeyaCache's with torch ops only and with the Triton kernels.
+
+    python benches/device_op_counts.py --calibration artifacts/calib-smollm2-joint-both
+
+On a GPU a decode step of KakeyaCache is set by the host queueing small kernels, one per op
+(``reports/gpu_h100.txt``), so the ops per step are what the GPU work has to cut. Here the
+model runs on the CPU with attention over the codes on its torch path (``CPU_KERNELS =
+False``, as on a GPU), the hot window's int8 rows encoded as on a GPU (``encode_torch``, or the
+Triton encoder), and the Triton kernels in Triton's interpreter, made to run on the CPU. An
+op counts where it does work (views, empty tensors and casts to the same dtype do not); a
+Triton kernel counts one launch and the ops inside the interpreter none. No time is
+measured: the interpreter is slow. Results: reports/device_op_counts.txt.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import re  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from bench_args import add_model_and_text  # noqa: E402  (benches/, beside this script)
+from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows  # noqa: E402
+from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
+from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
+
+NO_WORK = re.compile(
+    r"aten\.(view|_reshape_alias|_unsafe_view|as_strided|unsqueeze|squeeze|select|slice|"
+    r"narrow|split|chunk|unbind|unflatten|flatten|transpose|t|permute|expand|expand_as|view_as|"
+    r"diagonal|detach|alias|lift_fresh|resolve_conj|resolve_neg|empty|empty_like|"
+    r"empty_strided|numpy_T|result_type|item|_local_scalar_dense|is_nonzero|equal)\."
+)
+# Ops that return their input where there is nothing to do (a cast to the same dtype).
+MAYBE_NOTHING = re.compile(r"aten\.(to|reshape|contiguous|type_as)\.")
+# (module, its Triton kernel, the function that says whether the kernel runs)
+KERNELS = (
+    (fused_decode, "_decode_kernel", "usable"),
+    (fused_decode, "_norms_kernel", "norms_usable"),
+    (fused_attention, "_key_logits_kernel", "usable"),
+    (fused_int8_rows, "_encode_kernel", "usable"),
+)
+
+
+class Counts(TorchDispatchMode):
+    """Working torch ops by the innermost kakeyaturbo function on the stack ("model" else);
+    none while a Triton kernel runs (``quiet``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+        self.quiet = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if self.quiet or NO_WORK.match(name):
+            return out
+        first = args[0] if args else None
+        same = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)
+        if MAYBE_NOTHING.match(name) and same and out.data_ptr() == first.data_ptr():
+            return out
+        self.sites[_site()] += 1
+        return out
+
+
+def _site() -> str:
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        if "/kakeyaturbo/" in frame.filename.replace("\\", "/"):
+            return re.sub(r".*/kakeyaturbo/", "", frame.filename) + ":" + frame.name
+    return "model"
+
+
+class Launches:
+    """A Triton kernel that counts its launches, and whose work inside the interpreter is not
+    counted as torch ops."""
+
+    def __init__(self, kernel, name: str, counts: Counts, launches: collections.Counter):
+        self.kernel, self.name, self.counts, self.launches = kernel, name, counts, launches
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            self.launches[self.name] += 1
+            self.counts.quiet = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.counts.quiet = False
+
+        return launch
+
+
+def use_kernels(on: bool, counts: Counts, launches: collections.Counter) -> None:
+    """The Triton kernels run (interpreted) wherever they would on a GPU, or never; the int8
+    rows are encoded as on a GPU."""
+    for module, kernel, gate in KERNELS:
+        real = getattr(module, kernel)
+        real = real.kernel if isinstance(real, Launches) else real
+        setattr(module, kernel, Launches(real, kernel.strip("_"), counts, launches))
+        setattr(module, gate, (lambda *a: True) if on else (lambda *a: False))
+    rows = fused_attention.MAX_ROWS
+    if on:  # the key logits' own limit on query rows still holds
+        fused_attention.usable = lambda y, f, r, q, o: q.shape[1] * q.shape[2] <= rows
+    int8_rows.encode = fused_int8_rows.encode if on else int8_rows.encode_torch
+
+
+@torch.inference_mode()
+def one_step(model, ids, ctx: int, cache, counts: Counts, launches: collections.Counter) -> None:
+    model(ids[:, :ctx], **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+    model(ids[:, ctx : ctx + 1], **{CACHE_ARG: cache}, use_cache=True)
+    launches.clear()  # the step's only
+    with counts:
+        model(ids[:, ctx + 1 : ctx + 2], **{CACHE_ARG: cache}, use_cache=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_and_text(ap)
+    ap.add_argument("--calibration", type=Path, default=None, help="a bundle (default: none)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--top", type=int, default=12, help="call sites listed per setting")
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    coded_attention.CPU_KERNELS = False
+    model, tok = load_model(args.model, dtype="float32")
+    ids = tokenize_text(tok, read_text(args.text))[: args.context + 2][None]
+    bundle = None if args.calibration is None else Calibration.load(args.calibration, model)
+    print(f"model {Path(args.model).name}, bundle {args.calibration}, context {args.context}")
+    settings = (
+        ("DynamicCache", None),
+        ("KakeyaCache, torch ops", False),
+        ("KakeyaCache, Triton kernels", True),
+    )
+    for label, kernels in settings:
+        counts, launches = Counts(), collections.Counter()
+        if kernels is None:
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+        else:
+            use_kernels(kernels, counts, launches)
+            cache = KakeyaCache.from_model(model, calibration=bundle, hot_dtype=torch.bfloat16)
+        one_step(model, ids, args.context, cache, counts, launches)
+        own = sum(n for site, n in counts.sites.items() if site != "model")
+        total = sum(counts.sites.values()) + sum(launches.values())
+        print(
+            f"\n{label}: {total} ops and launches per step, {counts.sites['model']} of them the "
+            f"model's (transformers), {own + sum(launches.values())} the cache's "
+            f"(Triton launches: {dict(launches) or 'none'})"
+        )
+        for site, n in counts.sites.most_common(args.top):
+            print(f"  {n:6d}  {site}")
+
+
+if __name__ == "__main__":
+    main()

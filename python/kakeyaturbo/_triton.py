@@ -1,0 +1,71 @@
+"""What the package's Triton kernels share: Triton itself where it imports, and the rule that
+a kernel serves a device only once its first call there agreed with the torch ops it replaces.
+
+The kernels (``fused_decode.py``, ``fused_attention.py``) run where the model does, on CUDA
+devices; nothing here imports the rest of the package (no import cycle), so any module may use
+it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # not installed (CPU-only torch builds) or broken: torch ops instead
+    triton = None
+    tl = None
+
+__all__ = ["CheckedKernel", "tl", "triton"]
+
+
+class CheckedKernel:
+    """A kernel's standing per device. :meth:`usable` runs ``check`` (the kernel's output and
+    the torch ops' on the same inputs, and whether they agree) on the first call for each
+    device; a kernel that fails to build or launch there, or disagrees, is not used there
+    again in this process, with a ``RuntimeWarning``, and the torch ops run instead."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._checked: dict[str, bool] = {}
+
+    def usable(self, device: torch.device, check: Callable[[], bool]) -> bool:
+        """Whether the kernel runs on ``device``: a CUDA device, with Triton, not turned off
+        by ``KAKEYATURBO_TRITON=0``, and ``check()`` passed there (run once per device: it
+        waits for the device)."""
+        if triton is None or device.type != "cuda" or os.environ.get("KAKEYATURBO_TRITON") == "0":
+            return False
+        key = str(device)
+        if key not in self._checked:
+            self._checked[key] = self.agrees(device, check)
+        return self._checked[key]
+
+    def agrees(self, device: torch.device, check: Callable[[], bool]) -> bool:
+        """``check()``, with a failure to run counted as disagreement and either said."""
+        try:
+            same = check()
+        except Exception as err:  # a build or launch failure on this device: say so, go on
+            warnings.warn(
+                f"kakeyaturbo: the Triton {self.name} failed on {device} ({err!r}); "
+                "using torch ops",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return False
+        if not same:
+            warnings.warn(
+                f"kakeyaturbo: the Triton {self.name} disagrees with the torch ops on "
+                f"{device}; using torch ops",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return same
+
+    def standing(self) -> dict[str, str]:
+        """Per device checked so far, ``"used"`` or ``"dropped"`` (for benches' reports)."""
+        return {dev: "used" if ok else "dropped" for dev, ok in self._checked.items()}

@@ -1,0 +1,183 @@
+"""The Triton kernel for the logits of keys coded across heads (``fused_attention.py``), which
+scores on a GPU in place of about ten torch ops per layer: it must give the torch ops' logits
+to float32 rounding, in every layout attention hands it (partial rotary, per-row positions,
+tiles cut short, pairs wider than one tile), inside a real model's decode steps too, and a
+failing kernel must leave the torch ops in charge. Run here in Triton's interpreter on the CPU
+(``TRITON_INTERPRET=1``, set before Triton is imported: fresh processes); tests/test_cuda.py
+runs the compiled kernel where a GPU is present."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from kakeyaturbo import fused_attention
+from triton_interpreter import run_interpreted  # tests/, beside this file
+
+pytestmark = pytest.mark.skipif(fused_attention.triton is None, reason="Triton is not installed")
+
+# (batch rows, KV heads, head dim, rotated channels per head, query rows per head, tokens,
+# position rows): SmolLM2's joint keys (3 heads x 64, 3 query heads each), a partial rotary,
+# per-row positions, one token, the most query rows, pairs over two tiles (2 heads x 128),
+# sizes under every tile's; columns in a shuffled order (adjacent-pair RoPE's) or as they are.
+LAYOUTS = textwrap.dedent(
+    """
+    import torch
+    from kakeyaturbo import fused_attention as fa
+    g = torch.Generator().manual_seed(0)
+    layouts = [
+        (1, 3, 64, 64, 3, 700, 1), (2, 2, 32, 16, 2, 100, 2), (1, 3, 64, 64, 3, 1, 1),
+        (1, 2, 128, 128, 32, 33, 1), (2, 4, 12, 4, 1, 40, 1), (1, 1, 20, 8, 1, 70, 1),
+    ]
+    for b, h, d, rot, rows, t, bp in layouts:
+        c, p = h * d, h * rot // 2
+        y = torch.randn(b, t, c, generator=g) * torch.linspace(0.1, 3.0, c)
+        frame = torch.randn(c, c, generator=g) / c**0.5
+        angles = torch.rand(bp, t, p, generator=g) * 100.0
+        rotation = torch.stack((angles.cos(), angles.sin()), dim=2)
+        q = torch.randn(b, h, rows, d, generator=g)
+        for order in (torch.randperm(c, generator=g), torch.arange(c)):
+            got = fa.joint_key_logits(y, frame, rotation, q, order)
+            want = fa.joint_key_logits_with_torch(y, frame, rotation, q, order)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert got.shape == (b, h * rows, t) and err < 1e-5, (b, h, d, rot, rows, t, bp, err)
+            assert fa._close(y, frame, rotation, q, order)
+    print("layouts checked", len(layouts))
+    """
+)
+
+# kt-ref-a with a bundle coded across heads: the torch path of attention over the codes (what
+# a GPU runs) with the kernel scoring the decode steps' keys, against the same path without.
+IN_A_MODEL = textwrap.dedent(
+    """
+    import sys, torch
+    from kakeyaturbo import fused_attention as fa
+    from kakeyaturbo.calibration import Calibration
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
+    from kakeyaturbo.modeling import load_model
+    from kakeyaturbo.recipes import default_recipe
+
+    torch.set_num_threads(1)
+    coded_attention.CPU_KERNELS = False
+    model = load_model(sys.argv[1])[0]
+    bundle = Calibration.load(sys.argv[2], model)
+    recipe = default_recipe(bundle, block_size=64).replace(k_token_norms=True)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 420), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :29] = 0
+    ran = []
+    real = fa.joint_key_logits
+
+    def counted(*args):
+        ran.append(args[3].shape)
+        return real(*args)
+
+    def logits(kernel):
+        fits = lambda y, f, r, q, o: q.shape[1] * q.shape[2] <= fa.MAX_ROWS  # noqa: E731
+        fa.usable = fits if kernel else (lambda *a: False)
+        fa.joint_key_logits = counted
+        kw = {"calibration": bundle, "recipe": recipe, "residual_length": 64}
+        arg = {CACHE_ARG: KakeyaCache.from_model(model, **kw)}
+        out = []
+        with torch.inference_mode():
+            out.append(model(ids[:, :400], attention_mask=mask[:, :400], **arg).logits)
+            for t in range(400, 404):
+                out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **arg).logits)
+        return out
+
+    without = logits(False)
+    assert not ran
+    with_kernel = logits(True)
+    assert len(ran) == 4 * model.config.num_hidden_layers, len(ran)  # every decode step's layers
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(with_kernel, without))
+    assert worst < 1e-5, worst
+    print("decode steps checked", len(ran), "worst", worst)
+    """
+)
+
+
+def test_the_kernel_gives_the_torch_logits_in_every_layout_in_the_interpreter():
+    assert "layouts checked 6" in run_interpreted(LAYOUTS)
+
+
+def test_a_models_decode_steps_score_with_the_kernel_as_with_torch(model_dir, calib_text, tmp_path):
+    from transformers import AutoTokenizer
+
+    from kakeyaturbo.calibration import calibrate
+    from kakeyaturbo.modeling import load_model
+
+    model = load_model(model_dir)[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
+    bundle.save(tmp_path / "joint")
+    assert "decode steps checked" in run_interpreted(
+        IN_A_MODEL, str(model_dir), str(tmp_path / "joint")
+    )
+
+
+def _inputs(seed: int, t: int, h: int = 3, d: int = 64, rows: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(1, t, h * d, generator=g)
+    frame = torch.randn(h * d, h * d, generator=g) / (h * d) ** 0.5
+    angles = torch.rand(1, t, h * d // 2, generator=g) * 50.0
+    rotation = torch.stack((angles.cos(), angles.sin()), dim=2)
+    return y, frame, rotation, torch.randn(1, h, rows, d, generator=g), torch.randperm(h * d)
+
+
+def test_the_tolerance_tells_float32_from_tf32_products():
+    """The first call's check passes float32 sums in another order and fails products rounded
+    to TF32's 10-bit mantissa (what a kernel left at Triton's default precision would give)."""
+    y, frame, rotation, q, order = _inputs(1, 300)
+    want = fused_attention.joint_key_logits_with_torch(y, frame, rotation, q, order)
+    # The same sums in float64, rounded to float32: another order of float32 sums is closer.
+    exact = fused_attention.joint_key_logits_with_torch(
+        y.double(), frame.double(), rotation.double(), q.double(), order
+    ).float()
+    assert fused_attention.within_tolerance(exact, want)
+
+    def tf32(x: torch.Tensor) -> torch.Tensor:
+        return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)  # 10 mantissa bits kept
+
+    rounded = fused_attention.joint_key_logits_with_torch(tf32(y), tf32(frame), rotation, q, order)
+    assert not fused_attention.within_tolerance(rounded, want)
+    assert not fused_attention.within_tolerance(want[..., 1:], want)  # shapes must match
+    assert not fused_attention.within_tolerance(want * float("nan"), want)
+
+
+def test_the_wide_queries_read_each_head_on_its_own_channels():
+    q = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 4) + 1.0
+    wide = fused_attention.wide_queries(q)
+    assert wide.shape == (2, 6, 12)
+    for h in range(3):
+        for i in range(2):
+            row = wide[:, h * 2 + i]
+            assert torch.equal(row[:, h * 4 : h * 4 + 4], q[:, h, i])
+            assert row.count_nonzero() == 2 * 4  # zero in the other heads' channels
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fused_attention.wide_queries(q, order), wide[..., order])
+
+
+def test_off_a_gpu_the_torch_ops_score_and_a_failing_kernel_is_dropped(monkeypatch):
+    args = _inputs(2, 40, h=1, rows=4)
+    assert not fused_attention.usable(*args)  # the CPU, whatever Triton is
+    kernel = fused_attention.KERNEL
+
+    def agrees() -> bool:
+        return kernel.agrees(args[0].device, lambda: fused_attention._close(*args))
+
+    def broken(*_args):
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(fused_attention, "joint_key_logits", broken)
+    with pytest.warns(RuntimeWarning, match="key logits failed on cpu"):
+        assert not agrees()
+    wrong = lambda *a: fused_attention.joint_key_logits_with_torch(*a) * 1.01  # noqa: E731
+    monkeypatch.setattr(fused_attention, "joint_key_logits", wrong)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        assert not agrees()
+    same = fused_attention.joint_key_logits_with_torch
+    monkeypatch.setattr(fused_attention, "joint_key_logits", same)
+    assert agrees()
