@@ -15,8 +15,8 @@ in IEEE float32, not TF32), in another order of sums than torch's, so it agrees 
 
 Used on CUDA devices where Triton imports, unless ``KAKEYATURBO_TRITON=0``; its first call on
 each device is checked against :func:`joint_key_logits_with_torch` (:data:`TOLERANCE`), and a
-kernel that fails or disagrees there is not used again in the process. ``tests/
-test_fused_attention.py`` runs it in Triton's interpreter on the CPU.
+kernel that fails or disagrees there is not used again in the process.
+``tests/test_fused_attention.py`` runs it in Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def joint_key_logits(
     _, h, rows, d = q.shape
     w, p = frame.shape[1], rotation.shape[-1]
     fits = frame.shape[0] == c and order.shape == (w,) and w == h * d and w >= 2 * p
-    if not fits or rotation.shape[1] != t or q.shape[0] != b:
+    if not fits or rotation.shape[0] not in (1, b) or rotation.shape[1] != t or q.shape[0] != b:
         raise ValueError(
             f"joint key logits: y {tuple(y.shape)}, frame {tuple(frame.shape)}, rotation "
             f"{tuple(rotation.shape)}, queries {tuple(q.shape)} and order {tuple(order.shape)} "

@@ -31,6 +31,7 @@ BLOCK_ROWS = 16
 #: The widest row the kernel takes in one tile (wider rows encode with torch).
 MAX_WIDTH = 1024
 
+#: The kernel's standing per device (its first call there is checked byte for byte).
 KERNEL = CheckedKernel("int8 row encoder")
 
 
