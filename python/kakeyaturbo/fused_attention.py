@@ -14,8 +14,8 @@ in IEEE float32, not TF32), in another order of sums than torch's, so it agrees 
 :func:`joint_key_logits_with_torch` to float32 rounding, not bit for bit.
 
 Used on CUDA devices where Triton imports, unless ``KAKEYATURBO_TRITON=0``; its first call on
-each device is checked against :func:`joint_key_logits_with_torch` (:data:`TOLERANCE`), and a
-kernel that fails or disagrees there is not used again in the process.
+each device is checked against :func:`joint_key_logits_with_torch` in float64 (to
+:data:`TOLERANCE`), and a kernel that fails or disagrees there is not used again in the process.
 ``tests/test_fused_attention.py`` runs it in Triton's interpreter on the CPU.
 """
 
@@ -61,7 +61,10 @@ def usable(y, frame, rotation, q, order) -> bool:
 
 def _close(y, frame, rotation, q, order) -> bool:
     got = joint_key_logits(y, frame, rotation, q, order)
-    return within_tolerance(got, joint_key_logits_with_torch(y, frame, rotation, q, order))
+    # The reference in float64: torch's own float32 products may be TF32 where a user has
+    # allowed it (torch.set_float32_matmul_precision), which the kernel's must not be taken for.
+    args = (x.double() for x in (y, frame, rotation, q))
+    return within_tolerance(got, joint_key_logits_with_torch(*args, order).float())
 
 
 def within_tolerance(got: torch.Tensor, want: torch.Tensor) -> bool:
