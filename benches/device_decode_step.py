@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from bench_args import add_model_and_text  # benches/, beside this script
-from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows
+from kakeyaturbo._triton import checked_kernels
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
@@ -208,8 +208,7 @@ def main() -> None:
         for site, count in ops.most_common(12):
             print(f"  {count / n:7.1f} ops  {site}")
     # Whether the Triton kernels ran (fused_*.py) or torch ops did.
-    kernels = (fused_decode.KERNEL, fused_decode.NORMS, fused_attention.KERNEL)
-    for kernel in (*kernels, fused_int8_rows.KERNEL):
+    for kernel in checked_kernels():
         standing = kernel.standing() or "not used"
         print(f"Triton {kernel.name}: {standing} (KAKEYATURBO_TRITON=0 turns it off)")
 

@@ -31,6 +31,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from bench_args import add_model_and_text  # noqa: E402  (benches/, beside this script)
 from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows  # noqa: E402
+from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
@@ -43,12 +44,12 @@ NO_WORK = re.compile(
 )
 # Ops that return their input where there is nothing to do (a cast to the same dtype).
 MAYBE_NOTHING = re.compile(r"aten\.(to|reshape|contiguous|type_as)\.")
-# (module, its Triton kernel, the function that says whether the kernel runs)
+# (module, its Triton kernel)
 KERNELS = (
-    (fused_decode, "_decode_kernel", "usable"),
-    (fused_decode, "_norms_kernel", "norms_usable"),
-    (fused_attention, "_key_logits_kernel", "usable"),
-    (fused_int8_rows, "_encode_kernel", "usable"),
+    (fused_decode, "_decode_kernel"),
+    (fused_decode, "_norms_kernel"),
+    (fused_attention, "_key_logits_kernel"),
+    (fused_int8_rows, "_encode_kernel"),
 )
 
 
@@ -105,14 +106,14 @@ class Launches:
 def use_kernels(on: bool, counts: Counts, launches: collections.Counter) -> None:
     """The Triton kernels run (interpreted) wherever they would on a GPU, or never; the int8
     rows are encoded as on a GPU."""
-    for module, kernel, gate in KERNELS:
+    for module, kernel in KERNELS:
         real = getattr(module, kernel)
         real = real.kernel if isinstance(real, Launches) else real
         setattr(module, kernel, Launches(real, kernel.strip("_"), counts, launches))
-        setattr(module, gate, (lambda *a: True) if on else (lambda *a: False))
-    rows = fused_attention.MAX_ROWS
-    if on:  # the key logits' own limit on query rows still holds
-        fused_attention.usable = lambda y, f, r, q, o: q.shape[1] * q.shape[2] <= rows
+    # Each kernel passes (or fails) its device's check as if on a GPU; the modules' own limits
+    # (query rows, row widths) still decide where it runs.
+    for checked in checked_kernels():
+        checked.usable = lambda device, check, _on=on: _on
     int8_rows.encode = fused_int8_rows.encode if on else int8_rows.encode_torch
 
 

@@ -76,8 +76,8 @@ IN_A_MODEL = textwrap.dedent(
         return real(*args)
 
     def logits(kernel):
-        fits = lambda y, f, r, q, o: q.shape[1] * q.shape[2] <= fa.MAX_ROWS  # noqa: E731
-        fa.usable = fits if kernel else (lambda *a: False)
+        # Its device's check passed (or failed) as on a GPU; its own row limit still holds.
+        fa.KERNEL.usable = lambda device, check: kernel
         fa.joint_key_logits = counted
         kw = {"calibration": bundle, "recipe": recipe, "residual_length": 64}
         arg = {CACHE_ARG: KakeyaCache.from_model(model, **kw)}

@@ -1,9 +1,9 @@
 """What the package's Triton kernels share: Triton itself where it imports, and the rule that
 a kernel serves a device only once its first call there agreed with the torch ops it replaces.
 
-The kernels (``fused_decode.py``, ``fused_attention.py``) run where the model does, on CUDA
-devices; nothing here imports the rest of the package (no import cycle), so any module may use
-it.
+The kernels (``fused_decode.py``, ``fused_attention.py``, ``fused_int8_rows.py``) run where
+the model does, on CUDA devices; nothing here imports the rest of the package (no import
+cycle), so any module may use it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ except Exception:  # not installed (CPU-only torch builds) or broken: torch ops 
     triton = None
     tl = None
 
-__all__ = ["CheckedKernel", "tl", "triton"]
+__all__ = ["CheckedKernel", "checked_kernels", "tl", "triton"]
+
+_EVERY: list[CheckedKernel] = []
 
 
 class CheckedKernel:
@@ -33,6 +35,7 @@ class CheckedKernel:
     def __init__(self, name: str) -> None:
         self.name = name
         self._checked: dict[str, bool] = {}
+        _EVERY.append(self)
 
     def usable(self, device: torch.device, check: Callable[[], bool]) -> bool:
         """Whether the kernel runs on ``device``: a CUDA device, with Triton, not turned off
@@ -69,3 +72,8 @@ class CheckedKernel:
     def standing(self) -> dict[str, str]:
         """Per device checked so far, ``"used"`` or ``"dropped"`` (for benches' reports)."""
         return {dev: "used" if ok else "dropped" for dev, ok in self._checked.items()}
+
+
+def checked_kernels() -> tuple[CheckedKernel, ...]:
+    """Every kernel's standing made so far (one per kernel of the modules imported)."""
+    return tuple(_EVERY)
