@@ -30,7 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench_args import add_model_and_text  # noqa: E402  (benches/, beside this script)
-from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows  # noqa: E402
+from kakeyaturbo import (  # noqa: E402
+    fused_attention,
+    fused_decode,
+    fused_int8_rows,
+    fused_joint_attend,
+)
 from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
@@ -50,6 +55,8 @@ KERNELS = (
     (fused_decode, "_norms_kernel"),
     (fused_attention, "_key_logits_kernel"),
     (fused_int8_rows, "_encode_kernel"),
+    (fused_joint_attend, "_partials_kernel"),
+    (fused_joint_attend, "_combine_kernel"),
 )
 
 

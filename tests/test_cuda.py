@@ -192,3 +192,27 @@ def test_the_triton_attention_kernels_compile_and_agree_with_torch():
     for rows in (x, x.bfloat16(), x[..., :48]):
         assert fused_int8_rows.same_rows(fused_int8_rows.encode(rows), encode_torch(rows))
     assert fused_int8_rows.usable(x, encode_torch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_joint_attention_compiles_and_agrees_with_torch(dtype):
+    """The softmax and value sums' kernels compiled for this GPU (``fused_joint_attend.py``):
+    SmolLM2's decode step over 4,000 coded tokens, sinks, an int8 window and a new token, in
+    the model's dtype; their torch twin's output within their check, and taken after it."""
+    from kakeyaturbo import fused_joint_attend as fj
+
+    if fj.triton is None:
+        pytest.skip("Triton is not installed")
+    from test_fused_joint_attend import inputs  # tests/, beside this file
+
+    coded, q, keys, values, mask = inputs(8, 2, 3, 64, 3, 1, 4000, (4, 60, 1), bias=2, dtype=dtype)
+    coded = fj.Coded(*(None if x is None else x.cuda() for x in fj._fields(coded)))
+    args = (coded, q.cuda(), [k.cuda() for k in keys], [v.cuda() for v in values], mask.cuda())
+    args += (0.125, None, 1, dtype)
+    assert fj._close(*args)  # float32 output against float64 torch
+    got, want = fj.attend(*args), fj.attend_with_torch(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    # In bfloat16, float32 sums in another order may round an entry to a neighbouring value.
+    tolerance = (1e-4 if dtype == torch.float32 else 1e-2) * want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= tolerance
+    assert fj.usable(*args)

@@ -79,8 +79,11 @@ class PackedRun:
     sigma: torch.Tensor  # float16 [K, d] (stored so)
     mean: torch.Tensor  # [K, d] in the skeleton dtype (stored so)
     gains: torch.Tensor  # float32 [MAX_WIDTH + 1]: reconstruction gain per width
+    # The outliers by tile of fused_decode.BLOCK_N vectors of a stream-block (the Triton
+    # decoder's: each of its programs puts its own tile's), in order of tile:
     outlier_pos: torch.Tensor  # int64 [m]: into the [K, n, d] output, flattened
     outlier_dec: torch.Tensor  # float32 [m]: their decoded values, ``mean + value * sigma``
+    outlier_tiles: torch.Tensor  # int64 [K * ceil(n / BLOCK_N) + 1]: where each tile's start
     n: int
 
     @classmethod
@@ -122,6 +125,11 @@ class PackedRun:
         value = torch.from_numpy(np.concatenate([s["outlier_val"] for s in sections]))
         value = value.half().float() * torch.from_numpy(sigma[block, comp]).float()
         outlier_dec = mean[block, comp].float() + value
+        tiles = -(-n // fused_decode.BLOCK_N)
+        tile = block * tiles + pos % (n * d) // d // fused_decode.BLOCK_N
+        by_tile = np.argsort(tile, kind="stable")
+        pos, outlier_dec = pos[by_tile], outlier_dec[torch.from_numpy(by_tile)]
+        starts = np.searchsorted(tile[by_tile], np.arange(len(sections) * tiles + 1))
         put = lambda a: torch.as_tensor(a).to(device)  # noqa: E731
         return cls(
             codes=put(codes),
@@ -133,6 +141,7 @@ class PackedRun:
             gains=put(sections[0]["gains"]),
             outlier_pos=put(pos),
             outlier_dec=outlier_dec.to(device),
+            outlier_tiles=put(starts.astype(np.int64)),
             n=n,
         )
 
@@ -140,7 +149,7 @@ class PackedRun:
     def nbytes(self) -> int:
         """Bytes held on the device (the codebooks' level table, shared, is not counted)."""
         held = (self.codes, self.first, self.per_vector, self.bits, self.sigma, self.mean)
-        held += (self.gains, self.outlier_pos, self.outlier_dec)
+        held += (self.gains, self.outlier_pos, self.outlier_dec, self.outlier_tiles)
         return sum(t.numel() * t.element_size() for t in held)
 
     def level_rows(self) -> torch.Tensor:

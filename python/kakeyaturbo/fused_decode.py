@@ -5,11 +5,12 @@ The torch decoder of ``device_decode.py`` takes 27 small ops per run of blocks. 
 is a kernel launch the host queues one by one, and an H100 decode step of SmolLM2 was about
 80 ms of host work around under 18 ms of device work (``reports/gpu_h100.txt``, 31st
 session): those ops, 60 runs per step, were 1,620 of the step's 4,183 launches. This kernel
-does a run's whole decode in one launch (the outliers' exact values are then put in place by
-one more op): each program reads its vectors' codes from the packed stream (a code spans at
-most two bytes), looks their levels up and writes ``mean + (level * sigma) * gain``, the
-torch decoder's float32 operations in its order, with fused multiply-adds off, so the bits
-are the codec's.
+does a run's whole decode in one launch: each program reads its vectors' codes from the
+packed stream (a code spans at most two bytes), looks their levels up and writes ``mean +
+(level * sigma) * gain``, the torch decoder's float32 operations in its order, with fused
+multiply-adds off, so the bits are the codec's; then, once its threads have written the tile,
+it puts the exact values of the outliers in the tile in place (``PackedRun`` holds them by
+tile), where the torch decoder takes one more op per run.
 
 Used on CUDA devices where Triton imports, unless ``KAKEYATURBO_TRITON=0``. Its first decode
 on each device is checked against the torch decoder bit for bit; a kernel that fails to build
@@ -34,9 +35,12 @@ from ._triton import CheckedKernel, tl, triton
 
 __all__ = ["KERNEL", "NORMS", "decode", "decode_norms", "norms_usable", "usable"]
 
-#: Vectors and components per program: 32 x 128 values, 16 KB of output.
+#: Vectors and components per program: 32 x 128 values, 16 KB of output. (``PackedRun``
+#: holds the outliers by tiles of BLOCK_N vectors.)
 BLOCK_N = 32
 MAX_BLOCK_D = 128
+#: Outliers a program puts at a time.
+BLOCK_OUTLIERS = 64
 
 #: The kernel's standing per device (its first decode there is checked bit for bit).
 KERNEL = CheckedKernel("decoder")
@@ -116,15 +120,20 @@ def decode(run: Any) -> torch.Tensor:
             run.mean,
             run.gains,
             levels,
+            run.outlier_pos,
+            run.outlier_dec,
+            run.outlier_tiles,
             out,
             run.n,
             d,
             LEVELS=levels.shape[1],
+            HAS_OUTLIERS=run.outlier_pos.numel() > 0,
             BLOCK_N=BLOCK_N,
             BLOCK_D=block_d,
+            BLOCK_O=BLOCK_OUTLIERS,
             enable_fp_fusion=False,  # mean + (level * sigma) * gain rounded as the codec does
         )
-    return run.put_outliers(out)
+    return out
 
 
 if triton is not None:
@@ -139,12 +148,17 @@ if triton is not None:
         mean,  # [K, d], the skeleton dtype
         gains,  # float32 [widths]
         levels,  # float32 [widths, LEVELS]: the Gaussian codebooks, by width
+        outlier_pos,  # int64 [m]: into out, flattened, in order of tile
+        outlier_dec,  # float32 [m]: their values
+        outlier_tiles,  # int64 [K * tiles + 1]: where each tile of BLOCK_N vectors' start
         out,  # float32 [K, n, d]
         n,
         d,
         LEVELS: tl.constexpr,
+        HAS_OUTLIERS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_O: tl.constexpr,
     ):
         k = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,6 +179,19 @@ if triton is not None:
         level = tl.load(levels + (b * LEVELS)[None, :] + code, mask=ok, other=0.0)
         y = m[None, :] + (level * s[None, :]) * g[None, :]
         tl.store(out + (k * n + t.to(tl.int64))[:, None] * d + j[None, :], y, mask=ok)
+        if HAS_OUTLIERS:  # the tile's outliers in its components, over what was just written
+            tl.debug_barrier()
+            tile = k * tl.num_programs(1) + tl.program_id(1)
+            lo = tl.load(outlier_tiles + tile)
+            hi = tl.load(outlier_tiles + tile + 1)
+            j0 = tl.program_id(2) * BLOCK_D
+            for o0 in range(lo, hi, BLOCK_O):
+                o = o0 + tl.arange(0, BLOCK_O)
+                om = o < hi
+                at = tl.load(outlier_pos + o, mask=om, other=0)
+                col = at % d
+                om = om & (col >= j0) & (col < j0 + BLOCK_D)
+                tl.store(out + at, tl.load(outlier_dec + o, mask=om, other=0.0), mask=om)
 
     @triton.jit
     def _norms_kernel(

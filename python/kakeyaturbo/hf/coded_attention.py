@@ -35,10 +35,11 @@ devices the blocks are held there as stored (their packed codes and side values,
 when the blocks change: :class:`~kakeyaturbo.device_decode.DeviceBlocks`), decoded to frame
 coordinates there each call, and the same arithmetic runs in torch (``CPU_KERNELS = False``
 runs that path on the CPU too); on a GPU, Triton kernels take the decode, the token norms and
-the logits of keys coded across heads (``fused_decode.py``, ``fused_attention.py``). Nothing
-decoded outlives the call, so the cache holds what its ``memory_report`` says (the copies on a
-device under ``device_copy_bytes``). The codes are the ones the dense path decodes: outputs
-agree with it to float32 rounding.
+the logits of keys coded across heads (``fused_decode.py``, ``fused_attention.py``), and a
+decode step's softmax, value sums and exact part over blocks coded across heads
+(``fused_joint_attend.py``). Nothing decoded outlives the call, so the cache holds what its
+``memory_report`` says (the copies on a device under ``device_copy_bytes``). The codes are
+the ones the dense path decodes: outputs agree with it to float32 rounding.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .. import fused_attention
+from .. import fused_attention, fused_joint_attend
 from ..device_decode import DeviceBlocks
 from ..pipeline import BlockRun
 from . import int8_rows
@@ -146,9 +147,9 @@ class CodedView:
         lay = self.layer
         # Int8 rows stay as held: the codec reads them so (the torch path decodes them).
         ks, vs = [lay._hot_k], [lay._hot_v]
-        if self.sinks is not None:
-            ks.insert(0, lay._sink_k.transpose(1, 2).contiguous())
-            vs.insert(0, lay._sink_v.transpose(1, 2).contiguous())
+        if self.sinks is not None:  # views of the held [B, S, H, D]: read in place or copied once
+            ks.insert(0, lay._sink_k.transpose(1, 2))
+            vs.insert(0, lay._sink_v.transpose(1, 2))
         self.runs = (ks, vs)
         return k, v
 
@@ -172,11 +173,15 @@ class CodedView:
             raise ValueError(f"{hq} query heads do not group over {h} KV heads")
         g, dev = hq // h, query.device
         clen = self.coded_length
-        q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
         key_runs, value_runs = [*self.runs[0], key], [*self.runs[1], value]
-
         kernels = CPU_KERNELS and dev.type == "cpu"
         joint_k, joint_v = pipe.recipe.joint("k"), pipe.recipe.joint("v")
+        if not kernels and joint_k and joint_v and hq * tq <= fused_joint_attend.MAX_ROWS:
+            grouped = query.reshape(b, h, g * tq, d)
+            exact = (key_runs, value_runs)
+            return self._device_joint_attend(grouped, exact, attention_mask, scaling, softcap, tq)
+        q = query.float().reshape(b, h, g * tq, d)  # query head i*g + j reads KV head i
+
         if kernels and g * tq <= WHOLE_ATTENTION_ROWS and joint_k == joint_v:
             exact = (key_runs, value_runs)
             out = self._codec_attend(q, exact, attention_mask, scaling, softcap, tq)
@@ -288,6 +293,34 @@ class CodedView:
             prepared=self._prepared(),
         )
 
+    def _device_joint_attend(
+        self, q: torch.Tensor, exact: tuple, mask: Any, scaling: float, softcap: Any, tq: int
+    ) -> torch.Tensor:
+        """A decode step's attention ``[B, Tq, Hq, D]`` (the query's dtype) over blocks coded
+        across heads off the CPU kernels, ``q`` ``[B, H, g*Tq, D]`` as the model gave it: the
+        keys' logits from the coordinates decoded on the device (:meth:`_device_joint_logits`),
+        then the softmax, the value sums and the exact part by two Triton kernels on a GPU
+        (``fused_joint_attend.py``), else by their torch twin. The exact runs are read as held
+        (int8 rows, the sinks' layout), with no concatenated copy."""
+        lay = self.layer
+        pipe, li = lay._ctx.pipeline, lay.layer_idx
+        (b, h, rows, _), dev = q.shape, q.device
+        kb, vb = self.held.stored("k", dev), self.held.stored("v", dev)
+        norms = pipe.recipe.token_norms
+        coded = fused_joint_attend.Coded(
+            self._device_joint_logits(pipe.joint_codes(kb, b), q),
+            pipe.joint_scales(kb) if norms("k") else None,
+            pipe.joint_codes(vb, b),
+            pipe.joint_scales(vb) if norms("v") else None,
+            pipe.joint_head_frames(li, "v", dev),
+        )
+        n_exact = sum(k.shape[-2] for k in exact[0])
+        bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, dev, joint=True)
+        args = (coded, q, *exact, bias, scaling, softcap, tq, q.dtype)
+        if fused_joint_attend.usable(*args):
+            return fused_joint_attend.attend(*args)
+        return fused_joint_attend.attend_with_torch(*args)
+
     def _key_inputs(self, h: int, d: int) -> tuple[Any, Any]:
         """The key frames and RoPE's rotation as ``Pipeline.attend`` takes them for this layer's
         blocks (``h`` KV heads of ``d`` channels): across heads the joint frame ``[1, H*D,
@@ -392,7 +425,7 @@ class CodedView:
         b, h, rows, d = q.shape
         frame, rotation = self._joint_keys(h, d, q.device)
         if rotation is None:
-            wide = fused_attention.wide_queries(q)
+            wide = fused_attention.wide_queries(q.float())
             return (wide @ frame.T) @ y.transpose(-1, -2)
         order = self._joint_order_shared(h, d, q.device)[1]
         if fused_attention.usable(y, frame, rotation, q, order):

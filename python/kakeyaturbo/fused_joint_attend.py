@@ -1,0 +1,632 @@
+"""A decode step's softmax and value sums over blocks coded across heads in two Triton kernels,
+on a GPU.
+
+Off the CPU, once the keys' logits are scored (``fused_attention.py``), a layer's attention
+over blocks coded across heads took about twenty more torch ops per decode step
+(``reports/device_op_counts.txt``): the exact tokens' int8 rows decoded, the exact keys and
+values concatenated, their logits, the scores joined, scaled and biased, the softmax, the
+weights times the values' scales, the sums over the joint coordinates, each head's frame, the
+exact values' sums and the output's copy. Each is a launch the host queues one by one, and on
+an H100 the host's queueing sets a decode step's pace (``reports/gpu_h100.txt``). Here it is
+two launches, split over the coded tokens as flash-decoding splits them:
+
+- ``_partials_kernel``: each program takes a span of the coded tokens for all query rows and
+  a slice of the joint coordinates, or one KV head's exact tokens (the sinks, the hot window,
+  the new tokens, read where they are held: int8 rows decoded as they load), and writes its
+  largest score, its sum of exponentials and its weighted sum;
+- ``_combine_kernel``: per KV head, the spans' sums rescaled to the common largest score,
+  turned out of the joint coordinates by the head's slice of the value frame, the exact part
+  added, divided by the sum of exponentials and written in the layout and dtype attention
+  returns.
+
+The arithmetic is float32 (products in IEEE float32, not TF32) in another order than torch's,
+so it agrees with :func:`attend_with_torch` to float32 rounding. A query row with every key
+masked gets zeros, as the torch path's ``nan_to_num`` gives.
+
+Used on CUDA devices where Triton imports, unless ``KAKEYATURBO_TRITON=0``; its first call on
+each device is checked against :func:`attend_with_torch` in float64 (to :data:`TOLERANCE`),
+and a kernel that fails or disagrees there is not used again in the process: the torch twin
+runs instead. ``tests/test_fused_joint_attend.py`` runs it in Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import CheckedKernel, tl, triton
+
+__all__ = ["KERNEL", "MAX_ROWS", "MAX_RUNS", "Coded", "attend", "attend_with_torch", "usable"]
+
+#: The most query rows (query heads x query tokens) the kernels take: a decode step's.
+MAX_ROWS = 64
+#: The most runs of exact tokens (sinks, hot window, new tokens) the kernels read.
+MAX_RUNS = 3
+#: The widest head the kernels take.
+MAX_HEAD_DIM = 256
+#: Coded tokens per tile, exact tokens per tile, joint coordinates per program.
+BLOCK_T = 64
+BLOCK_N = 32
+BLOCK_C = 64
+#: Coded tokens per program at least, and the most programs per batch row over the coded
+#: tokens (times the coordinate slices): enough to fill a GPU's cores at long contexts.
+MIN_SPAN = 256
+MAX_SPANS = 32
+#: The kernels' output may differ from torch's by this much relative to its largest entry
+#: (float32 sums in another order: about 1e-6 here).
+TOLERANCE = 1e-4
+
+#: The kernels' standing per device (their first call there is checked against torch).
+KERNEL = CheckedKernel("joint attention")
+
+
+@dataclass(frozen=True)
+class Coded:
+    """What attention reads of a layer's blocks coded across heads (``H`` KV heads, ``rows``
+    query rows each, ``T`` coded tokens, ``C = H*D`` joint coordinates)."""
+
+    logits: torch.Tensor  # [B, H*rows, T] the keys' logits, before their scales
+    key_scales: torch.Tensor | None  # [B, H, T] each head's key scale (token norms), or None
+    values: torch.Tensor  # [B, T, C] the values' joint coordinates
+    value_scales: torch.Tensor | None  # [B, H, T], or None
+    frames: torch.Tensor  # [H, C, D] each head's slice of the joint value frame
+
+
+def usable(coded: Coded, q: torch.Tensor, keys: list, values: list, *args) -> bool:
+    """Whether :func:`attend` (arguments as there) runs the kernels for these inputs: a decode
+    step's few query rows, at most :data:`MAX_RUNS` exact runs as the kernels read them, on a
+    CUDA device where the kernels have passed their check (run on these inputs if they have
+    not been checked there yet)."""
+    b, h, rows, d = q.shape
+    fits = h * rows <= MAX_ROWS and d <= MAX_HEAD_DIM and 0 < len(keys) <= MAX_RUNS
+    if not fits or len(values) != len(keys):
+        return False
+    if any(not k.is_floating_point() for k in keys):
+        return False
+    if any(not (v.is_floating_point() or v.dtype is torch.int8) for v in values):
+        return False
+    return KERNEL.usable(q.device, lambda: _close(coded, q, keys, values, *args))
+
+
+def _close(coded: Coded, q, keys, values, bias, scaling, softcap, tq, dtype) -> bool:
+    got = attend(coded, q, keys, values, bias, scaling, softcap, tq, torch.float32)
+    # The reference in float64: torch's own float32 products may be TF32 where a user has
+    # allowed it (torch.set_float32_matmul_precision), which the kernels' must not be taken for.
+    wide = Coded(*(None if x is None else x.double() for x in _fields(coded)))
+    runs = (
+        [k.double() for k in keys],
+        [v if v.dtype is torch.int8 else v.double() for v in values],
+    )
+    want = attend_with_torch(wide, q.double(), *runs, bias, scaling, softcap, tq, torch.float64)
+    return within_tolerance(got, want.float())
+
+
+def _fields(coded: Coded) -> tuple:
+    return coded.logits, coded.key_scales, coded.values, coded.value_scales, coded.frames
+
+
+def within_tolerance(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether outputs ``got`` are ``want`` to :data:`TOLERANCE` of the largest of ``want``."""
+    if got.shape != want.shape or not torch.isfinite(got).all():
+        return False
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return bool(((got - want).abs() <= TOLERANCE * scale).all())
+
+
+def _joined(runs: list, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Exact runs ``[B, H, n_i, D]`` in one ``dtype`` tensor, int8 rows (``hf/int8_rows.py``)
+    decoded: one copy for the rest (``cat`` promotes a narrower dtype)."""
+    floats = []
+    for run in runs:
+        if run.dtype is torch.int8:
+            run = run[..., :d] * run[..., d:].contiguous().view(torch.bfloat16).to(dtype)
+        floats.append(run)
+    return torch.cat(floats, dim=-2).to(dtype)
+
+
+def attend_with_torch(
+    coded: Coded,
+    q: torch.Tensor,
+    keys: list,
+    values: list,
+    bias: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    tq: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention's output ``[B, Tq, H*g, D]`` in ``dtype`` of the queries ``q`` ``[B, H, rows,
+    D]`` (row ``j*Tq + t``: query head ``h*g + j`` at token ``t``) over the coded tokens and
+    the exact runs ``keys`` / ``values`` (``[B, H, n_i, D]`` in token order after the coded
+    ones; values may be int8 rows) with the additive ``bias`` ``[B or 1, 1, H*rows, T + n]``
+    (None: none), in torch ops, in the dtype of ``coded.logits``."""
+    b, h, rows, d = q.shape
+    work, t = coded.logits.dtype, coded.logits.shape[-1]
+    logits = coded.logits.view(b, h, rows, t)
+    if coded.key_scales is not None:
+        logits = logits * coded.key_scales[:, :, None]
+    k, v = _joined(keys, d, work), _joined(values, d, work)
+    scores = torch.cat((logits, q.to(work) @ k.transpose(-1, -2)), dim=-1) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.view(bias.shape[0], h, rows, -1)
+    # A query row with every key masked (a padded row) gets zeros, not NaN.
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    weights = probs[..., :t]
+    if coded.value_scales is not None:
+        weights = weights * coded.value_scales[:, :, None]
+    sums = weights.reshape(b, h * rows, t) @ coded.values.to(work)
+    out = sums.view(b, h, rows, -1) @ coded.frames.to(work) + probs[..., t:] @ v
+    g = rows // tq
+    return (
+        out.view(b, h * g, tq, d).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    )
+
+
+def attend(
+    coded: Coded,
+    q: torch.Tensor,
+    keys: list,
+    values: list,
+    bias: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    tq: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`attend_with_torch` by the kernels (on the inputs' device; on the CPU only in
+    Triton's interpreter): two launches, whatever the runs and the context."""
+    if triton is None:
+        raise RuntimeError("the fused joint attention needs Triton, which is not installed")
+    b, h, rows, d = q.shape
+    _, t, c = coded.values.shape
+    if coded.logits.shape != (b, h * rows, t) or coded.frames.shape != (h, c, d) or rows % tq:
+        raise ValueError(
+            f"joint attention: logits {tuple(coded.logits.shape)}, values "
+            f"{tuple(coded.values.shape)}, frames {tuple(coded.frames.shape)}, queries "
+            f"{tuple(q.shape)} and {tq} query tokens do not fit"
+        )
+    if not 0 < len(keys) == len(values) <= MAX_RUNS:
+        raise ValueError(f"joint attention: {len(keys)} key and {len(values)} value runs")
+    dev, f32 = q.device, torch.float32
+    logits, values_c, frames = (
+        x.to(f32).contiguous() for x in (coded.logits, coded.values, coded.frames)
+    )
+    ks, vs = (
+        None if x is None else x.to(f32).contiguous()
+        for x in (coded.key_scales, coded.value_scales)
+    )
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    runs = [_run(k, v, b, h, d) for k, v in zip(keys, values)]
+    n_exact = sum(n for *_, n in runs)
+    runs += [runs[0][:2] + (0,)] * (MAX_RUNS - len(runs))  # absent runs: no tokens to read
+    if bias is not None:
+        if bias.shape[1:] != (1, h * rows, t + n_exact) or bias.shape[0] not in (1, b):
+            raise ValueError(f"joint attention: bias {tuple(bias.shape)} does not fit")
+        bias = bias.to(f32)  # read by its strides: the layers' shared bias is an expanded view
+        bias = bias if bias.stride(-1) == 1 else bias.contiguous()
+    span = max(MIN_SPAN, triton.cdiv(triton.cdiv(max(t, 1), MAX_SPANS), BLOCK_T) * BLOCK_T)
+    spans, slices = triton.cdiv(max(t, 1), span), triton.cdiv(c, BLOCK_C)
+    qr = h * rows
+    m_c = torch.empty(b, spans, qr, dtype=f32, device=dev)
+    l_c = torch.empty_like(m_c)
+    acc_c = torch.empty(b, spans, qr, c, dtype=f32, device=dev)
+    m_e = torch.empty(b, h, rows, dtype=f32, device=dev)
+    l_e = torch.empty_like(m_e)
+    acc_e = torch.empty(b, h, rows, d, dtype=f32, device=dev)
+    out = torch.empty(b, tq, h * (rows // tq), d, dtype=dtype, device=dev)
+    dummy = logits  # read by no program where a tensor is absent
+    (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = runs
+    block_q = max(16, triton.next_power_of_2(qr))
+    block_r = max(16, triton.next_power_of_2(rows))
+    block_d = max(16, triton.next_power_of_2(d))
+    _partials_kernel[(b, spans * slices + h)](
+        logits,
+        dummy if ks is None else ks,
+        values_c,
+        dummy if vs is None else vs,
+        q,
+        *q.stride()[:3],
+        *k0,
+        *v0,
+        n0,
+        *k1,
+        *v1,
+        n1,
+        *k2,
+        *v2,
+        n2,
+        dummy if bias is None else bias,
+        0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
+        0 if bias is None else bias.stride(2),
+        m_c,
+        l_c,
+        acc_c,
+        m_e,
+        l_e,
+        acc_e,
+        t,
+        c,
+        h,
+        rows,
+        d,
+        span,
+        spans,
+        slices,
+        float(scaling),
+        1.0 if softcap is None else float(softcap),
+        HAS_KEY_SCALES=ks is not None,
+        HAS_VALUE_SCALES=vs is not None,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap is not None,
+        INT8_0=v0[0].dtype is torch.int8,
+        INT8_1=v1[0].dtype is torch.int8,
+        INT8_2=v2[0].dtype is torch.int8,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_C=BLOCK_C,
+        BLOCK_Q=block_q,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )
+    _combine_kernel[(b, h)](
+        m_c,
+        l_c,
+        acc_c,
+        m_e,
+        l_e,
+        acc_e,
+        frames,
+        out.view(torch.int16) if dtype is torch.bfloat16 else out,
+        spans,
+        c,
+        h,
+        rows,
+        d,
+        tq,
+        OUT_BF16=dtype is torch.bfloat16,
+        BLOCK_C=BLOCK_C,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+    )
+    return out
+
+
+def _run(k: torch.Tensor, v: torch.Tensor, b: int, h: int, d: int) -> tuple:
+    """An exact run as the kernel reads it: ``((keys, 3 strides), (values, 3 strides), n)``,
+    the tensors where they are (a view of the sinks' held layout is read in place)."""
+    n = k.shape[-2]
+    wide = d + 2 if v.dtype is torch.int8 else d
+    if k.shape != (b, h, n, d) or v.shape != (b, h, n, wide):
+        raise ValueError(
+            f"joint attention: an exact run of keys {tuple(k.shape)} and values "
+            f"{tuple(v.shape)} does not fit {b} rows of {h} heads of {d} channels"
+        )
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    return (k, *k.stride()[:3]), (v, *v.stride()[:3]), n
+
+
+if triton is not None:
+
+    @triton.jit
+    def _scored(
+        raw, scaling, softcap, bias_at, ok, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr
+    ):
+        """Scores as torch makes them: scaled, capped (tanh), biased; -inf outside ``ok``."""
+        s = raw * scaling
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): what the interpreter and every GPU have.
+            s = (1.0 - 2.0 / (tl.exp(2.0 * (s / softcap)) + 1.0)) * softcap
+        if HAS_BIAS:
+            s += tl.load(bias_at, mask=ok, other=0.0)
+        return tl.where(ok, s, float("-inf"))
+
+    @triton.jit
+    def _values_tile(at, jm, dd, dm, D, INT8: tl.constexpr):
+        """Exact values from the rows starting at ``at`` as float32: int8 rows decoded
+        (``code * scale``, the scale's bfloat16 bits after the ``D`` codes)."""
+        x = tl.load(at[:, None] + dd[None, :], mask=jm[:, None] & dm[None, :], other=0)
+        x = x.to(tl.float32)
+        if INT8:
+            lo = tl.load(at + D, mask=jm, other=0).to(tl.int32) & 0xFF
+            hi = tl.load(at + D + 1, mask=jm, other=0).to(tl.int32) & 0xFF
+            scale = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+            x = x * scale[:, None]
+        return x
+
+    @triton.jit
+    def _exact_run(
+        acc,
+        m,
+        total,
+        qv,
+        rm,
+        dd,
+        dm,
+        k,
+        k_sb,
+        k_sh,
+        k_sn,
+        v,
+        v_sb,
+        v_sh,
+        v_sn,
+        n,
+        col,
+        bias_row,
+        b,
+        head,
+        D,
+        scaling,
+        softcap,
+        HAS_BIAS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        INT8: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """The online softmax's ``acc``, ``m``, ``total`` after a run of ``n`` exact tokens whose
+        scores are the bias's columns from ``col``."""
+        for n0 in range(0, n, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            jm = j < n
+            jj = j.to(tl.int64)
+            kt = tl.load(
+                k + b * k_sb + head * k_sh + jj[:, None] * k_sn + dd[None, :],
+                mask=jm[:, None] & dm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            raw = tl.dot(qv, tl.trans(kt), input_precision="ieee")
+            ok = rm[:, None] & jm[None, :]
+            s = _scored(
+                raw, scaling, softcap, bias_row + col + j[None, :], ok, HAS_BIAS, HAS_SOFTCAP
+            )
+            top = tl.maximum(m, tl.max(s, axis=1))
+            base = tl.where(top == float("-inf"), 0.0, top)
+            p = tl.exp(s - base[:, None])
+            alpha = tl.exp(m - base)
+            total = total * alpha + tl.sum(p, axis=1)
+            at = v + b * v_sb + head * v_sh + jj * v_sn
+            vt = _values_tile(at, jm, dd, dm, D, INT8)
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+            m = top
+        return acc, m, total
+
+    @triton.jit
+    def _partials_kernel(
+        logits,  # float32 [B, Q, T]: the coded keys' logits (Q = H * ROWS query rows)
+        key_scales,  # float32 [B, H, T]
+        values,  # float32 [B, T, C]: the coded values' joint coordinates
+        value_scales,  # float32 [B, H, T]
+        q,  # [B, H, ROWS, D] the queries (exact keys' logits)
+        q_sb,
+        q_sh,
+        q_sr,
+        k0,
+        k0_sb,
+        k0_sh,
+        k0_sn,
+        v0,
+        v0_sb,
+        v0_sh,
+        v0_sn,
+        n0,
+        k1,
+        k1_sb,
+        k1_sh,
+        k1_sn,
+        v1,
+        v1_sb,
+        v1_sh,
+        v1_sn,
+        n1,
+        k2,
+        k2_sb,
+        k2_sh,
+        k2_sn,
+        v2,
+        v2_sb,
+        v2_sh,
+        v2_sn,
+        n2,
+        bias,  # float32 [B or 1, 1, Q, T + n0 + n1 + n2]
+        bias_sb,
+        bias_sq,
+        m_c,  # float32 [B, SPANS, Q]: each span's largest score,
+        l_c,  # its sum of exponentials,
+        acc_c,  # [B, SPANS, Q, C] and its weighted sum of the coordinates
+        m_e,  # float32 [B, H, ROWS]: the same of each head's exact tokens
+        l_e,
+        acc_e,  # [B, H, ROWS, D]
+        T,
+        C,
+        H,
+        ROWS,
+        D,
+        SPAN,
+        SPANS,
+        SLICES,
+        scaling,
+        softcap,
+        HAS_KEY_SCALES: tl.constexpr,
+        HAS_VALUE_SCALES: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        INT8_0: tl.constexpr,
+        INT8_1: tl.constexpr,
+        INT8_2: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        pid = tl.program_id(1)
+        Q = H * ROWS
+        if pid < SPANS * SLICES:  # a span of the coded tokens, a slice of the coordinates
+            span = pid // SLICES
+            cc = (pid % SLICES) * BLOCK_C + tl.arange(0, BLOCK_C)
+            cm = cc < C
+            r = tl.arange(0, BLOCK_Q)
+            rm = r < Q
+            head = (r // ROWS).to(tl.int64)
+            lo = span * SPAN
+            hi = tl.minimum(lo + SPAN, T)
+            row_logits = logits + (b * Q + r)[:, None] * T
+            row_bias = bias + b * bias_sb + r[:, None] * bias_sq
+            scales_at = (b * H + head)[:, None] * T
+            m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+            for t0 in range(lo, hi, BLOCK_T):  # the span's largest score
+                t = t0 + tl.arange(0, BLOCK_T)
+                ok = rm[:, None] & (t < hi)[None, :]
+                raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
+                if HAS_KEY_SCALES:
+                    raw *= tl.load(key_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
+                m = tl.maximum(m, tl.max(s, axis=1))
+            base = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
+            for t0 in range(lo, hi, BLOCK_T):  # its exponentials and weighted sums
+                t = t0 + tl.arange(0, BLOCK_T)
+                tm = t < hi
+                ok = rm[:, None] & tm[None, :]
+                raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
+                if HAS_KEY_SCALES:
+                    raw *= tl.load(key_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
+                p = tl.exp(s - base[:, None])
+                total += tl.sum(p, axis=1)
+                if HAS_VALUE_SCALES:
+                    p *= tl.load(value_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                yv = tl.load(
+                    values + (b * T + t.to(tl.int64))[:, None] * C + cc[None, :],
+                    mask=tm[:, None] & cm[None, :],
+                    other=0.0,
+                )
+                acc += tl.dot(p, yv, input_precision="ieee")
+            at = (b * SPANS + span) * Q + r
+            tl.store(
+                acc_c + at.to(tl.int64)[:, None] * C + cc[None, :],
+                acc,
+                mask=rm[:, None] & cm[None, :],
+            )
+            if pid % SLICES == 0:
+                tl.store(m_c + at, m, mask=rm)
+                tl.store(l_c + at, total, mask=rm)
+        else:  # one KV head's exact tokens: the sinks, the hot window, the new tokens
+            head = (pid - SPANS * SLICES).to(tl.int64)
+            rr = tl.arange(0, BLOCK_R)
+            rm = rr < ROWS
+            dd = tl.arange(0, BLOCK_D)
+            dm = dd < D
+            qv = tl.load(
+                q + b * q_sb + head * q_sh + rr[:, None] * q_sr + dd[None, :],
+                mask=rm[:, None] & dm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            bias_row = bias + b * bias_sb + (head * ROWS + rr)[:, None] * bias_sq
+            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+            acc, m, total = _exact_run(
+                acc, m, total, qv, rm, dd, dm, k0, k0_sb, k0_sh, k0_sn, v0, v0_sb, v0_sh, v0_sn,
+                n0, T, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_0,
+                BLOCK_N,
+            )  # fmt: skip
+            acc, m, total = _exact_run(
+                acc, m, total, qv, rm, dd, dm, k1, k1_sb, k1_sh, k1_sn, v1, v1_sb, v1_sh, v1_sn,
+                n1, T + n0, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_1,
+                BLOCK_N,
+            )  # fmt: skip
+            acc, m, total = _exact_run(
+                acc, m, total, qv, rm, dd, dm, k2, k2_sb, k2_sh, k2_sn, v2, v2_sb, v2_sh, v2_sn,
+                n2, T + n0 + n1, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP,
+                INT8_2, BLOCK_N,
+            )  # fmt: skip
+            at = (b * H + head) * ROWS + rr
+            tl.store(acc_e + at[:, None] * D + dd[None, :], acc, mask=rm[:, None] & dm[None, :])
+            tl.store(m_e + at, m, mask=rm)
+            tl.store(l_e + at, total, mask=rm)
+
+    @triton.jit
+    def _combine_kernel(
+        m_c,
+        l_c,
+        acc_c,
+        m_e,
+        l_e,
+        acc_e,
+        frames,  # float32 [H, C, D]: each head's slice of the joint value frame
+        out,  # [B, TQ, H * G, D] attention's output, in its dtype
+        SPANS,
+        C,
+        H,
+        ROWS,
+        D,
+        TQ,
+        OUT_BF16: tl.constexpr,  # out is bfloat16's bits as int16
+        BLOCK_C: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        rr = tl.arange(0, BLOCK_R)
+        rm = rr < ROWS
+        dd = tl.arange(0, BLOCK_D)
+        dm = dd < D
+        Q = H * ROWS
+        qr = head * ROWS + rr  # the head's rows among all query rows
+        exact = (b * H + head) * ROWS + rr
+        top = tl.load(m_e + exact, mask=rm, other=float("-inf"))
+        for span in range(SPANS):
+            top = tl.maximum(
+                top, tl.load(m_c + (b * SPANS + span) * Q + qr, mask=rm, other=float("-inf"))
+            )
+        base = tl.where(top == float("-inf"), 0.0, top)
+        w_e = tl.exp(tl.load(m_e + exact, mask=rm, other=float("-inf")) - base)
+        total = w_e * tl.load(l_e + exact, mask=rm, other=0.0)
+        for span in range(SPANS):
+            at = (b * SPANS + span) * Q + qr
+            w = tl.exp(tl.load(m_c + at, mask=rm, other=float("-inf")) - base)
+            total += w * tl.load(l_c + at, mask=rm, other=0.0)
+        res = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        ci = tl.arange(0, BLOCK_C)
+        for c0 in range(0, C, BLOCK_C):
+            cc = c0 + ci
+            cm = cc < C
+            sums = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+            for span in range(SPANS):
+                at = (b * SPANS + span) * Q + qr
+                w = tl.exp(tl.load(m_c + at, mask=rm, other=float("-inf")) - base)
+                part = tl.load(
+                    acc_c + at[:, None] * C + cc[None, :], mask=rm[:, None] & cm[None, :], other=0.0
+                )
+                sums += w[:, None] * part
+            f = tl.load(
+                frames + (head * C + cc.to(tl.int64))[:, None] * D + dd[None, :],
+                mask=cm[:, None] & dm[None, :],
+                other=0.0,
+            )
+            res += tl.dot(sums, f, input_precision="ieee")
+        ex = tl.load(
+            acc_e + exact[:, None] * D + dd[None, :], mask=rm[:, None] & dm[None, :], other=0.0
+        )
+        res += w_e[:, None] * ex
+        res = tl.where(total[:, None] > 0.0, res / tl.where(total > 0.0, total, 1.0)[:, None], 0.0)
+        # Row j * TQ + t is query head head * G + j at token t.
+        g = ROWS // TQ
+        at = ((b * TQ + rr % TQ) * (H * g) + head * g + rr // TQ) * D
+        if OUT_BF16:  # to nearest even by the bits, as torch rounds (the interpreter truncates)
+            bits = res.to(tl.uint32, bitcast=True)
+            bits = tl.where(res != res, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+            res = bits.to(tl.uint16).to(tl.int16, bitcast=True)
+        tl.store(
+            out + at[:, None] + dd[None, :],
+            res.to(out.dtype.element_ty),
+            mask=rm[:, None] & dm[None, :],
+        )
