@@ -1,10 +1,11 @@
 """The Triton kernel for the logits of keys coded across heads (``fused_attention.py``), which
 scores on a GPU in place of about ten torch ops per layer: it must give the torch ops' logits
 to float32 rounding, in every layout attention hands it (partial rotary, per-row positions,
-tiles cut short, pairs wider than one tile), inside a real model's decode steps too, and a
-failing kernel must leave the torch ops in charge. Run here in Triton's interpreter on the CPU
-(``TRITON_INTERPRET=1``, set before Triton is imported: fresh processes); tests/test_cuda.py
-runs the compiled kernel where a GPU is present."""
+tiles cut short, pairs wider than one tile), inside a real model's decode steps too
+(``tests/test_fused_joint_attend.py`` runs kt-ref-a's with it and the attention kernels), and
+a failing kernel must leave the torch ops in charge. Run here in Triton's interpreter on the
+CPU (``TRITON_INTERPRET=1``, set before Triton is imported: fresh processes);
+tests/test_cuda.py runs the compiled kernel where a GPU is present."""
 
 from __future__ import annotations
 
@@ -48,74 +49,9 @@ LAYOUTS = textwrap.dedent(
     """
 )
 
-# kt-ref-a with a bundle coded across heads: the torch path of attention over the codes (what
-# a GPU runs) with the kernel scoring the decode steps' keys, against the same path without.
-IN_A_MODEL = textwrap.dedent(
-    """
-    import sys, torch
-    from kakeyaturbo import fused_attention as fa
-    from kakeyaturbo.calibration import Calibration
-    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
-    from kakeyaturbo.modeling import load_model
-    from kakeyaturbo.recipes import default_recipe
-
-    torch.set_num_threads(1)
-    coded_attention.CPU_KERNELS = False
-    model = load_model(sys.argv[1])[0]
-    bundle = Calibration.load(sys.argv[2], model)
-    recipe = default_recipe(bundle, block_size=64).replace(k_token_norms=True)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, model.config.vocab_size, (2, 420), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :29] = 0
-    ran = []
-    real = fa.joint_key_logits
-
-    def counted(*args):
-        ran.append(args[3].shape)
-        return real(*args)
-
-    def logits(kernel):
-        # Its device's check passed (or failed) as on a GPU; its own row limit still holds.
-        fa.KERNEL.usable = lambda device, check: kernel
-        fa.joint_key_logits = counted
-        kw = {"calibration": bundle, "recipe": recipe, "residual_length": 64}
-        arg = {CACHE_ARG: KakeyaCache.from_model(model, **kw)}
-        out = []
-        with torch.inference_mode():
-            out.append(model(ids[:, :400], attention_mask=mask[:, :400], **arg).logits)
-            for t in range(400, 404):
-                out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **arg).logits)
-        return out
-
-    without = logits(False)
-    assert not ran
-    with_kernel = logits(True)
-    assert len(ran) == 4 * model.config.num_hidden_layers, len(ran)  # every decode step's layers
-    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(with_kernel, without))
-    assert worst < 1e-5, worst
-    print("decode steps checked", len(ran), "worst", worst)
-    """
-)
-
 
 def test_the_kernel_gives_the_torch_logits_in_every_layout_in_the_interpreter():
     assert "layouts checked 6" in run_interpreted(LAYOUTS)
-
-
-def test_a_models_decode_steps_score_with_the_kernel_as_with_torch(model_dir, calib_text, tmp_path):
-    from transformers import AutoTokenizer
-
-    from kakeyaturbo.calibration import calibrate
-    from kakeyaturbo.modeling import load_model
-
-    model = load_model(model_dir)[0]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
-    bundle.save(tmp_path / "joint")
-    assert "decode steps checked" in run_interpreted(
-        IN_A_MODEL, str(model_dir), str(tmp_path / "joint")
-    )
 
 
 def _inputs(seed: int, t: int, h: int = 3, d: int = 64, rows: int = 3):

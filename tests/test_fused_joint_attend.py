@@ -3,7 +3,8 @@
 give their torch twin's output to float32 rounding whatever the exact runs hold (the sinks'
 transposed layout, int8 rows, bfloat16, runs of no tokens), with and without token scales,
 masks (a row masked whole gets zeros), a softcap, several query tokens and spans; inside a
-real model's decode steps too; and a failing kernel must leave the torch twin in charge. Run
+real model's decode steps too, beside the key logits' kernel; and a failing kernel must leave
+the torch twin in charge. Run
 here in Triton's interpreter on the CPU (fresh processes); tests/test_cuda.py runs the
 compiled kernels where a GPU is present."""
 
@@ -94,8 +95,9 @@ LAYOUTS = textwrap.dedent(
 )
 
 # kt-ref-a with a bundle coded across heads and key norms, sinks in blocks, int8 hot values
-# and a padded row: the torch path of attention over the codes (what a GPU runs) with both
-# Triton kernels serving the decode steps, against the same path with neither.
+# and a padded row: the torch path of attention over the codes (what a GPU runs) with the key
+# logits' kernel (fused_attention.py) and both of these serving the decode steps, against the
+# same path with none.
 IN_A_MODEL = textwrap.dedent(
     """
     import sys, torch
@@ -115,17 +117,21 @@ IN_A_MODEL = textwrap.dedent(
     ids = torch.randint(0, model.config.vocab_size, (2, 420), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :29] = 0
-    ran = []
-    real = fj.attend
+    ran, scored = [], []
+    real, real_logits = fj.attend, fa.joint_key_logits
 
     def counted(*args):
         ran.append(len(args[2]))  # the exact runs read
         return real(*args)
 
+    def counted_logits(*args):
+        scored.append(args[3].shape)
+        return real_logits(*args)
+
     def logits(kernel):
         # The kernels' device checks passed (or failed) as on a GPU; their own limits hold.
         fa.KERNEL.usable = fj.KERNEL.usable = lambda device, check: kernel
-        fj.attend = counted
+        fj.attend, fa.joint_key_logits = counted, counted_logits
         kw = {"calibration": bundle, "recipe": recipe, "residual_length": 64}
         cache = KakeyaCache.from_model(model, **kw)
         assert cache.int8_hot_values
@@ -138,10 +144,11 @@ IN_A_MODEL = textwrap.dedent(
         return out
 
     without = logits(False)
-    assert not ran
+    assert not ran and not scored
     with_kernels = logits(True)
     layers = model.config.num_hidden_layers
     assert ran == [3] * (4 * layers), ran  # every decode step's layers: sinks, window, new
+    assert len(scored) == 4 * layers, len(scored)
     worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(with_kernels, without))
     assert worst < 1e-5, worst
     print("decode steps checked", len(ran), "worst", worst)
