@@ -162,6 +162,7 @@ def test_the_triton_attention_kernels_compile_and_agree_with_torch():
     (``fused_attention.py``, ``fused_decode.decode_norms``, ``fused_int8_rows.py``): torch's
     results within each one's check, and taken after their checks."""
     from kakeyaturbo import fused_attention, fused_decode, fused_int8_rows
+    from kakeyaturbo._triton import within_tolerance
     from kakeyaturbo.hf.int8_rows import encode_torch
     from kakeyaturbo.norm_codes import StackedNorms, decode_run_with_torch, encode_norms
 
@@ -177,7 +178,7 @@ def test_the_triton_attention_kernels_compile_and_agree_with_torch():
     order = torch.randperm(192, generator=g).cuda()
     got = fused_attention.joint_key_logits(y, frame, rotation, q, order)
     want = fused_attention.joint_key_logits_with_torch(y, frame, rotation, q, order)
-    assert fused_attention.within_tolerance(got, want)
+    assert within_tolerance(got, want, fused_attention.TOLERANCE)
     assert fused_attention.usable(y, frame, rotation, q, order)
 
     norms = (torch.randn(2, 3, 700, generator=g) * 1.7).exp()

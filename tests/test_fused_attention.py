@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kakeyaturbo import fused_attention
+from kakeyaturbo._triton import within_tolerance
+from kakeyaturbo.fused_attention import TOLERANCE
 from triton_interpreter import run_interpreted  # tests/, beside this file
 
 pytestmark = pytest.mark.skipif(fused_attention.triton is None, reason="Triton is not installed")
@@ -72,15 +74,15 @@ def test_the_tolerance_tells_float32_from_tf32_products():
     exact = fused_attention.joint_key_logits_with_torch(
         y.double(), frame.double(), rotation.double(), q.double(), order
     ).float()
-    assert fused_attention.within_tolerance(exact, want)
+    assert within_tolerance(exact, want, TOLERANCE)
 
     def tf32(x: torch.Tensor) -> torch.Tensor:
         return (x.view(torch.int32) & ~0x1FFF).view(torch.float32)  # 10 mantissa bits kept
 
     rounded = fused_attention.joint_key_logits_with_torch(tf32(y), tf32(frame), rotation, q, order)
-    assert not fused_attention.within_tolerance(rounded, want)
-    assert not fused_attention.within_tolerance(want[..., 1:], want)  # shapes must match
-    assert not fused_attention.within_tolerance(want * float("nan"), want)
+    assert not within_tolerance(rounded, want, TOLERANCE)
+    assert not within_tolerance(want[..., 1:], want, TOLERANCE)  # shapes must match
+    assert not within_tolerance(want * float("nan"), want, TOLERANCE)
 
 
 def test_the_wide_queries_read_each_head_on_its_own_channels():

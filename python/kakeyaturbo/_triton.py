@@ -21,7 +21,7 @@ except Exception:  # not installed (CPU-only torch builds) or broken: torch ops 
     triton = None
     tl = None
 
-__all__ = ["CheckedKernel", "checked_kernels", "tl", "triton"]
+__all__ = ["CheckedKernel", "bf16_bits", "checked_kernels", "tl", "triton", "within_tolerance"]
 
 _EVERY: list[CheckedKernel] = []
 
@@ -77,3 +77,27 @@ class CheckedKernel:
 def checked_kernels() -> tuple[CheckedKernel, ...]:
     """Every kernel's standing made so far (one per kernel of the modules imported)."""
     return tuple(_EVERY)
+
+
+def within_tolerance(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> bool:
+    """Whether ``got`` is ``want`` to ``tolerance`` of the largest of ``want`` (a kernel whose
+    sums run in another order than torch's), shapes equal and ``got`` finite."""
+    if got.shape != want.shape or not torch.isfinite(got).all():
+        return False
+    scale = want.abs().max().item() if want.numel() else 0.0
+    return bool(((got - want).abs() <= tolerance * scale).all())
+
+
+if triton is not None:
+
+    @triton.jit
+    def bf16_bits(x):
+        """float32 ``x`` rounded to bfloat16, to nearest even, as its 16 bits (in uint32), as
+        torch rounds (subnormals included; Triton's interpreter truncates in a cast); NaN is a
+        quiet NaN."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, bits)
+
+else:
+    bf16_bits = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import CheckedKernel, tl, triton
+from ._triton import CheckedKernel, tl, triton, within_tolerance
 
 __all__ = [
     "KERNEL",
@@ -32,7 +32,6 @@ __all__ = [
     "joint_key_logits_with_torch",
     "usable",
     "wide_queries",
-    "within_tolerance",
 ]
 
 #: The most query rows (query heads x query tokens) one program scores: a decode step's. A
@@ -64,15 +63,7 @@ def _close(y, frame, rotation, q, order) -> bool:
     # The reference in float64: torch's own float32 products may be TF32 where a user has
     # allowed it (torch.set_float32_matmul_precision), which the kernel's must not be taken for.
     args = (x.double() for x in (y, frame, rotation, q))
-    return within_tolerance(got, joint_key_logits_with_torch(*args, order).float())
-
-
-def within_tolerance(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether logits ``got`` are ``want`` to :data:`TOLERANCE` of the largest of ``want``."""
-    if got.shape != want.shape or not torch.isfinite(got).all():
-        return False
-    scale = want.abs().max().item() if want.numel() else 0.0
-    return bool(((got - want).abs() <= TOLERANCE * scale).all())
+    return within_tolerance(got, joint_key_logits_with_torch(*args, order).float(), TOLERANCE)
 
 
 def wide_queries(q: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._triton import CheckedKernel, tl, triton
+from ._triton import CheckedKernel, bf16_bits, tl, triton
 
 __all__ = ["KERNEL", "encode", "same_rows", "usable"]
 
@@ -86,12 +86,8 @@ if triton is not None:
         top = tl.max(tl.abs(v), axis=1)
         nans = tl.sum((v != v).to(tl.int32), axis=1)
         top = tl.where(nans > 0, float("nan"), top)  # amax propagates NaN
-        # The scale to bfloat16, to nearest even, by its bits (as torch rounds it, subnormals
-        # included; Triton's interpreter truncates in a cast); NaN stays a quiet NaN.
-        f = tl.math.div_rn(top, 127.0)
-        bits = f.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        bits = tl.where(f != f, 0x7FC0, bits)
+        # The scale to bfloat16 by its bits, as torch rounds it; NaN stays a quiet NaN.
+        bits = bf16_bits(tl.math.div_rn(top, 127.0))
         s = (bits << 16).to(tl.float32, bitcast=True)[:, None]
         q = tl.math.div_rn(v, s)
         q = tl.where((q != q) | (tl.abs(q) == float("inf")), 0.0, q)  # nan_to_num(0, 0, 0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import CheckedKernel, tl, triton
+from ._triton import CheckedKernel, bf16_bits, tl, triton, within_tolerance
 
 __all__ = ["KERNEL", "MAX_ROWS", "MAX_RUNS", "Coded", "attend", "attend_with_torch", "usable"]
 
@@ -99,24 +99,17 @@ def _close(coded: Coded, q, keys, values, bias, scaling, softcap, tq, dtype) -> 
         [v if v.dtype is torch.int8 else v.double() for v in values],
     )
     want = attend_with_torch(wide, q.double(), *runs, bias, scaling, softcap, tq, torch.float64)
-    return within_tolerance(got, want.float())
+    return within_tolerance(got, want.float(), TOLERANCE)
 
 
 def _fields(coded: Coded) -> tuple:
     return coded.logits, coded.key_scales, coded.values, coded.value_scales, coded.frames
 
 
-def within_tolerance(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether outputs ``got`` are ``want`` to :data:`TOLERANCE` of the largest of ``want``."""
-    if got.shape != want.shape or not torch.isfinite(got).all():
-        return False
-    scale = want.abs().max().item() if want.numel() else 0.0
-    return bool(((got - want).abs() <= TOLERANCE * scale).all())
-
-
 def _joined(runs: list, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """Exact runs ``[B, H, n_i, D]`` in one ``dtype`` tensor, int8 rows (``hf/int8_rows.py``)
-    decoded: one copy for the rest (``cat`` promotes a narrower dtype)."""
+    """Exact runs ``[B, H, n_i, D]`` in one ``dtype`` tensor, int8 rows decoded: one copy for
+    the rest (``cat`` promotes a narrower dtype). (``hf/int8_rows.decode``'s arithmetic, not
+    imported: hf imports this module, and the package has no import cycles.)"""
     floats = []
     for run in runs:
         if run.dtype is torch.int8:
@@ -621,10 +614,8 @@ if triton is not None:
         # Row j * TQ + t is query head head * G + j at token t.
         g = ROWS // TQ
         at = ((b * TQ + rr % TQ) * (H * g) + head * g + rr // TQ) * D
-        if OUT_BF16:  # to nearest even by the bits, as torch rounds (the interpreter truncates)
-            bits = res.to(tl.uint32, bitcast=True)
-            bits = tl.where(res != res, 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-            res = bits.to(tl.uint16).to(tl.int16, bitcast=True)
+        if OUT_BF16:  # rounded by the bits, as torch rounds (the interpreter truncates)
+            res = bf16_bits(res).to(tl.uint16).to(tl.int16, bitcast=True)
         tl.store(
             out + at[:, None] + dd[None, :],
             res.to(out.dtype.element_ty),
