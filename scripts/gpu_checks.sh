@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks a CUDA machine runs first (docs/speed.md): the compiled Triton kernels and the GPU
 # paths against torch (tests/test_cuda.py), then a decode step of SmolLM2 at 4k and 8k beside
-# DynamicCache's, with the kernels and without (KAKEYATURBO_TRITON=0). Output in $OUT (default
-# .gpu/out). On a machine without network, stage the inputs with scripts/gpu_stage.sh:
+# DynamicCache's, with the kernels and without (KAKEYATURBO_TRITON=0), then generate there
+# (benches/hf_generate.py). Output in $OUT (default .gpu/out). On a machine without network,
+# stage the inputs with scripts/gpu_stage.sh:
 #
 #     bash scripts/gpu_checks.sh unpack 1   # after carrying .gpu/1; then 2, then 3
 #     bash scripts/gpu_checks.sh run
@@ -42,6 +43,12 @@ run)
     --calibration artifacts/calib-smollm2-joint-both --contexts 4096 8064)
   "${step[@]}" 2>&1 | tee "$OUT/decode_step_triton.txt" || true
   KAKEYATURBO_TRITON=0 "${step[@]}" 2>&1 | tee "$OUT/decode_step_torch.txt" || true
+  # generate as issue 13's bars read it: tokens/s, prefill and bytes held (codes held once,
+  # on the GPU) beside DynamicCache's.
+  timeout 300 python3 benches/hf_generate.py --device cuda --dtype bfloat16 --threads 0 \
+    --model ../shared/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf \
+    --contexts 4096 8064 --new-tokens 128 --budgets 0 --hot-dtype bfloat16 \
+    --calibration artifacts/calib-smollm2-joint-both 2>&1 | tee "$OUT/hf_generate.txt" || true
   ;;
 *)
   echo "usage: gpu_checks.sh unpack N | run" >&2

@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kakeyaturbo as kt
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, int8_rows, rotary_spec_from_config
+from kakeyaturbo.recipes import default_recipe
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
 MODEL_DIR = SHARED / "models" / "kt-ref-a"
@@ -188,6 +189,60 @@ def test_batch_repeat_select_and_reorder(model, ids):
     cache.batch_select_indices(torch.tensor([2]))  # keep one row-0 copy
     assert cache.layers[0]._rows == 1
     assert step(model, cache, ids[:, 251:252]).shape == (1, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("coded", [True, False])
+@torch.inference_mode()
+def test_blocks_held_only_on_the_device_follow_every_cache_operation(
+    model, ids, coded, monkeypatch
+):
+    # Where attention decodes the blocks on the model's device (off the CPU kernels: a GPU;
+    # forced here on the CPU), the layer holds them there only, and a flush, a beam's reorder,
+    # a batch repeat or select and a crop into the blocks are done on that copy. The twin holds
+    # its blocks on the host and copies them over each time they change, as before; both then
+    # decode the same packed codes with the same ops, so their logits must be equal.
+    from kakeyaturbo.hf import coded_attention
+
+    rows = torch.stack([ids[0, :250], ids[0, 100:350]])
+    caches = []
+    for on_device in (False, True):
+        monkeypatch.setattr(coded_attention, "CPU_KERNELS", not on_device)
+        cache = KakeyaCache.from_model(
+            model, recipe=default_recipe(block_size=64), residual_length=32, coded_attention=coded
+        )
+        step(model, cache, rows)  # the first flush decides where the blocks are held
+        caches.append(cache)
+    host, device = caches
+    assert all(layer._on_device is None for layer in host.layers)
+    assert all(blk.k is None for layer in device.layers for blk in layer._blocks)
+
+    def same(tokens):
+        a, b = step(model, host, tokens), step(model, device, tokens)
+        assert torch.equal(a, b)
+
+    nxt = torch.stack([ids[0, 250:251], ids[0, 350:351]])
+    same(nxt)
+    for cache in caches:
+        cache.batch_repeat_interleave(2)
+    same(nxt.repeat_interleave(2, dim=0))
+    for cache in caches:
+        cache.reorder_cache(torch.tensor([3, 2, 1, 0]))
+    same(torch.stack([ids[0, 251:331], ids[0, 251:331], ids[0, 300:380], ids[0, 300:380]]))
+    layer = device.layers[0]
+    assert layer.compressed_length == 256 and layer._on_device["k"].blocks == 4  # a flush: 3 -> 4
+    for cache in caches:
+        cache.crop(-100)  # into block 4: its head back in the hot window
+    assert layer.compressed_length == 192 and layer._on_device["v"].blocks == 3
+    same(torch.stack([ids[0, 231:232]] * 4))
+    for cache in caches:
+        cache.batch_select_indices(torch.tensor([2]))
+    same(ids[:, 232:240])
+    assert layer._rows == 1 and layer._on_device["k"].streams == 2  # one row of 2 KV heads
+    rep = device.memory_report()
+    assert rep["device_copy_bytes"] == 0
+    assert rep["compressed_bytes"] == sum(
+        run.nbytes for lay in device.layers for run in lay._on_device.values()
+    )
 
 
 @torch.inference_mode()

@@ -6,7 +6,9 @@ step and copy the coordinates over, so the CPU sets the pace (``docs/speed.md``)
 stream kind's blocks are held on the device once, when they are written (their packed code
 streams and side values as stored: :class:`DeviceBlocks`), and each step decodes them there
 with a handful of gathers and multiply-adds per run of equal blocks (on a GPU with Triton, one
-kernel per run: ``fused_decode.py``).
+kernel per run: ``fused_decode.py``). The cache keeps no host copy then: a flush's blocks are
+joined to the held ones, and a crop or a beam's reorder takes blocks and rows of them, on the
+device (:meth:`DeviceBlocks.joined`, :meth:`DeviceBlocks.take`), laid out as if built anew.
 
 The arithmetic is the codec's, in its order (:func:`kakeyaturbo._core.waterfill_sections`):
 component ``j`` of a vector is ``mean_j + (level(code) * sigma_j) * gain(bits_j)``, ``mean_j``
@@ -30,7 +32,7 @@ from . import _core, fused_decode
 from ._runs import equal_runs
 from .norm_codes import StackedNorms
 
-__all__ = ["DeviceBlocks", "PackedRun"]
+__all__ = ["DeviceBlocks", "PackedRun", "reads"]
 
 #: Widest code of one component (the codec's ``MAX_COMPONENT_BITS``).
 MAX_WIDTH = 8
@@ -62,6 +64,13 @@ def _on(name: str, make, device: torch.device) -> torch.Tensor:
     if key not in _ON:
         _ON[key] = make().to(device)
     return _ON[key]
+
+
+def reads(params: Any) -> bool:
+    """Whether blocks coded with ``params`` (``kakeyaturbo.CodecParams``) can be held and
+    decoded here: water-filled, without a basis (what the pipeline's recipes write)."""
+    plain = params.pca_method == "none" and not params.share_basis
+    return plain and params.allocation == "waterfill"
 
 
 @dataclass(eq=False)
@@ -115,7 +124,7 @@ class PackedRun:
         # bit, then the widths of the components before j.
         wide = bits.astype(np.int64)
         first = base[:, None] * 8 + np.cumsum(wide, axis=1) - wide
-        first = first.astype(np.int32 if codes.size * 8 < 2**31 else np.int64)
+        first = first.astype(np.int32 if _narrow_bits(codes.size) else np.int64)
         pos = np.concatenate([s["outlier_pos"] + k * n * d for k, s in enumerate(sections)])
         sigma = np.stack([s["sigma"] for s in sections]).astype(np.float16)
         mean = torch.from_numpy(np.stack([s["mean"] for s in sections]))
@@ -143,6 +152,77 @@ class PackedRun:
             outlier_dec=outlier_dec.to(device),
             outlier_tiles=put(starts.astype(np.int64)),
             n=n,
+        )
+
+    @classmethod
+    def cat(cls, runs: Sequence[PackedRun]) -> PackedRun:
+        """The stream-blocks of ``runs`` (equally long, coded with the same parameters, on one
+        device) one after the other."""
+        head = runs[0]
+        if len(runs) == 1:
+            return head
+        n, d = head.n, head.bits.shape[1]
+        for run in runs[1:]:
+            same = run.n == n and run.bits.shape[1] == d and run.mean.dtype == head.mean.dtype
+            if not same or not torch.equal(run.gains, head.gains):
+                raise ValueError("PackedRun.cat: the runs were coded with different parameters")
+        sizes = [run.codes.numel() - _PAD for run in runs]
+        streams = [run.bits.shape[0] for run in runs]
+        pad = head.codes.new_zeros(_PAD)
+        codes = torch.cat([run.codes[:-_PAD] for run in runs] + [pad])
+        at, k, first, pos = 0, 0, [], []
+        for run, size, count in zip(runs, sizes, streams):
+            first.append(run.first.long() + at * 8)
+            pos.append(run.outlier_pos + k * n * d)
+            at, k = at + size, k + count
+        counts = torch.cat([run.outlier_tiles.diff() for run in runs])
+        return cls(
+            codes=codes,
+            first=torch.cat(first).to(_bit_dtype(codes.numel())),
+            per_vector=torch.cat([run.per_vector for run in runs]),
+            bits=torch.cat([run.bits for run in runs]),
+            sigma=torch.cat([run.sigma for run in runs]),
+            mean=torch.cat([run.mean for run in runs]),
+            gains=head.gains,
+            outlier_pos=torch.cat(pos),
+            outlier_dec=torch.cat([run.outlier_dec for run in runs]),
+            outlier_tiles=torch.cat((counts.new_zeros(1), counts.cumsum(0))),
+            n=n,
+        )
+
+    def take(self, index: torch.Tensor) -> PackedRun:
+        """Stream-blocks ``index`` of the run (int64 ``[K']``, in any order, repeats allowed)
+        as a run of their own: each one's packed codes, side values and outliers, laid out as
+        :meth:`of` lays out the same streams. Runs on the device, from what it holds (the
+        streams' host copies may be gone)."""
+        k, d = self.bits.shape
+        index = index.to(device=self.codes.device, dtype=torch.long)
+        # Each stream-block's codes are whole bytes from where its component 0 starts.
+        base = self.first[:, 0].long() >> 3
+        end = torch.cat((base[1:], base.new_full((1,), self.codes.numel() - _PAD)))
+        start, size = base[index], (end - base)[index]
+        codes = torch.cat((self.codes[_spans(start, size)], self.codes.new_zeros(_PAD)))
+        moved = (size.cumsum(0) - size - start) * 8  # where each stream-block's bits move
+        first = (self.first[index].long() + moved[:, None]).to(_bit_dtype(codes.numel()))
+        # The outliers of stream-block j are tiles j * tiles .. (j + 1) * tiles.
+        tiles = (self.outlier_tiles.numel() - 1) // k
+        counts = self.outlier_tiles.diff().view(k, tiles)[index]
+        held = counts.sum(dim=1)
+        pick = _spans(self.outlier_tiles[:-1].view(k, tiles)[index, 0], held)
+        to = torch.arange(index.numel(), device=index.device)
+        shift = ((to - index) * (self.n * d)).repeat_interleave(held)
+        return PackedRun(
+            codes=codes,
+            first=first,
+            per_vector=self.per_vector[index],
+            bits=self.bits[index],
+            sigma=self.sigma[index],
+            mean=self.mean[index],
+            gains=self.gains,
+            outlier_pos=self.outlier_pos[pick] + shift,
+            outlier_dec=self.outlier_dec[pick],
+            outlier_tiles=torch.cat((counts.new_zeros(1), counts.flatten().cumsum(0))),
+            n=self.n,
         )
 
     @property
@@ -186,6 +266,23 @@ class PackedRun:
         return y
 
 
+def _narrow_bits(nbytes: int) -> bool:
+    """Whether every bit of ``nbytes`` packed bytes has an int32 index."""
+    return nbytes * 8 < 2**31
+
+
+def _bit_dtype(nbytes: int) -> torch.dtype:
+    return torch.int32 if _narrow_bits(nbytes) else torch.int64
+
+
+def _spans(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The indices ``starts[i] .. starts[i] + lengths[i]`` of every ``i``, one after the other."""
+    total = int(lengths.sum())
+    skip = starts - (lengths.cumsum(0) - lengths)
+    at = torch.arange(total, device=starts.device)
+    return skip.repeat_interleave(lengths, output_size=total) + at
+
+
 def _check_finite(sections: list[dict]) -> None:
     """Every value a block can decode to is finite (the codec's decoder checks the same)."""
     top = np.abs(_LEVELS.numpy()).max(axis=1)  # largest level magnitude per width
@@ -222,6 +319,62 @@ class DeviceBlocks:
         if blocks[0].norms is not None:  # stacked copies, even on the CPU: nbytes counts them
             norms = StackedNorms.of([blk.norms for blk in blocks], device)
         return cls(runs, streams, norms, sum(blk.tokens for blk in blocks))
+
+    @classmethod
+    def joined(cls, parts: Sequence[DeviceBlocks]) -> DeviceBlocks:
+        """The blocks of ``parts`` one after the other (a cache's blocks and those a flush
+        adds), laid out as :meth:`of` lays out the same blocks."""
+        streams = {part.streams for part in parts}
+        with_norms = {part.norms is not None for part in parts}
+        if len(streams) != 1 or len(with_norms) != 1:
+            raise ValueError("DeviceBlocks.joined: the parts hold different streams")
+        norms = None
+        if with_norms.pop():
+            norms = StackedNorms([run for part in parts for run in part.norms.runs])
+        runs = [run for part in parts for run in part.runs]
+        whole = cls(runs, streams.pop(), norms, sum(part.tokens for part in parts))
+        return whole.take(range(whole.blocks))
+
+    @property
+    def blocks(self) -> int:
+        return sum(count for _, count in self.runs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs[0][0].codes.device
+
+    def take(
+        self, blocks: Sequence[int], rows: int = 0, order: Optional[Sequence[int]] = None
+    ) -> DeviceBlocks:
+        """Blocks ``blocks`` (indices into the held blocks, in token order) of the ``rows``
+        batch rows ``order`` (default: every row as held), laid out as :meth:`of` lays out the
+        same blocks: what a cache keeps after a crop or a beam's reorder, or decodes of a few
+        blocks, from what the device holds."""
+        where = []  # (run, block in it) of each held block
+        for r, (_, count) in enumerate(self.runs):
+            where += [(r, i) for i in range(count)]
+        streams = list(range(self.streams))
+        if order is not None:  # a batch row's streams are consecutive: its heads, or one
+            per = self.streams // rows
+            streams = [row * per + j for row in order for j in range(per)]
+        runs, groups, tokens = [], [], 0
+        for group in equal_runs([where[b] for b in blocks], lambda w: self.runs[w[0]][0].n):
+            n = self.runs[group[0][0]][0].n
+            sources = [r for r, (run, _) in enumerate(self.runs) if run.n == n]
+            # The stream-blocks of the sources joined, stream-major within each source.
+            k_at, b_at, k, b = {}, {}, 0, 0
+            for r in sources:
+                k_at[r], b_at[r] = k, b
+                k, b = k + self.runs[r][0].bits.shape[0], b + self.runs[r][1]
+            index = [k_at[r] + s * self.runs[r][1] + i for s in streams for r, i in group]
+            joined = PackedRun.cat([self.runs[r][0] for r in sources])
+            runs.append((joined.take(torch.tensor(index)), len(group)))
+            groups.append((sources, torch.tensor([b_at[r] + i for r, i in group])))
+            tokens += n * len(group)
+        norms = None
+        if self.norms is not None:
+            norms = self.norms.take(groups, None if order is None else torch.tensor(order))
+        return DeviceBlocks(runs, len(streams), norms, tokens)
 
     @property
     def nbytes(self) -> int:

@@ -110,6 +110,22 @@ class StackedNorms:
             runs.append(tuple(t.to(device).contiguous() for t in (codes, llo, step)))
         return cls(runs)
 
+    def take(
+        self, groups: Sequence[tuple[list[int], torch.Tensor]], rows: torch.Tensor | None
+    ) -> StackedNorms:
+        """Runs made of these: for each ``(sources, blocks)`` of ``groups``, the runs
+        ``sources`` joined along their blocks, then blocks ``blocks`` of them (an index into
+        the joined blocks), for batch rows ``rows`` (None: every row)."""
+        out = []
+        for sources, blocks in groups:
+            parts = zip(*(self.runs[r] for r in sources))
+            joined = [torch.cat(part, dim=2) if len(sources) > 1 else part[0] for part in parts]
+            dev = joined[0].device
+            if rows is not None:
+                joined = [t.index_select(0, rows.to(dev)) for t in joined]
+            out.append(tuple(t.index_select(2, blocks.to(dev)).contiguous() for t in joined))
+        return StackedNorms(out)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for run in self.runs for t in run)

@@ -324,13 +324,16 @@ class KakeyaCache(Cache):
         """Bytes held, measured from the tensors and encoded blocks actually held.
 
         Keys (totals, and per layer under ``"layers"``):
-            compressed_bytes: sum of the encoded blocks' exact serialized sizes.
+            compressed_bytes: sum of the encoded blocks' exact serialized sizes (where a layer
+                holds its blocks on the device attention decodes them on, a GPU: the bytes
+                held there, their only copy).
             full_precision_bytes: uncompressed key/value tensors held (hot window, sinks,
                 skipped / sliding layers).
             aux_bytes: bookkeeping tensors (sink slots, RoPE positions in pre-RoPE mode).
             decoded_cache_bytes: decoded blocks kept under the ``decoded_cache_bytes`` budget.
-            device_copy_bytes: compressed blocks also held, as stored, on the device attention
-                decodes them on off the CPU kernels (a model on an accelerator).
+            device_copy_bytes: blocks held on the host and also copied, as stored, to a device
+                attention decodes them on (only where a layer filled on the CPU kernels is
+                attended off them later).
             total_bytes: the sum of the five above.
             dense_bytes: what a ``DynamicCache`` holds for the same tokens (model dtype).
             bf16_equivalent_bytes: the same tokens as bfloat16.

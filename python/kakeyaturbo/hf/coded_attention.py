@@ -31,15 +31,15 @@ Rust ``coded_attention`` kernels; for a decode step's few query rows the whole a
 softmax and exact part included, in one call, ``Pipeline.attend``): each block is decoded
 into a scratch buffer that stays in cache and finished there (frame, RoPE, logits; norms,
 weighted sum), blocks in parallel, so no decoded copy of the layer is ever written. On other
-devices the blocks are held there as stored (their packed codes and side values, copied once
-when the blocks change: :class:`~kakeyaturbo.device_decode.DeviceBlocks`), decoded to frame
-coordinates there each call, and the same arithmetic runs in torch (``CPU_KERNELS = False``
-runs that path on the CPU too); on a GPU, Triton kernels take the decode, the token norms and
-the logits of keys coded across heads (``fused_decode.py``, ``fused_attention.py``), and a
-decode step's softmax, value sums and exact part over blocks coded across heads
-(``fused_joint_attend.py``). Nothing decoded outlives the call, so the cache holds what its
-``memory_report`` says (the copies on a device under ``device_copy_bytes``). The codes are
-the ones the dense path decodes: outputs agree with it to float32 rounding.
+devices (:func:`reads_on_device`) the layer holds its blocks there as stored, and only there
+(their packed codes and side values: :class:`~kakeyaturbo.device_decode.DeviceBlocks`,
+``KakeyaLayer._on_device``), decodes them to frame coordinates there each call, and the same
+arithmetic runs in torch (``CPU_KERNELS = False`` runs that path on the CPU too); on a GPU,
+Triton kernels take the decode, the token norms and the logits of keys coded across heads
+(``fused_decode.py``, ``fused_attention.py``), and a decode step's softmax, value sums and
+exact part over blocks coded across heads (``fused_joint_attend.py``). Nothing decoded
+outlives the call, so the cache holds what its ``memory_report`` says. The codes are the ones
+the dense path decodes: outputs agree with it to float32 rounding.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ from .same_tensors import same
 #: decoded into a cache-sized scratch and finished there, no decoded copy of the layer; the
 #: default), or with torch ops over the decoded frame coordinates, as on other devices.
 CPU_KERNELS = True
+
+
+def reads_on_device(device: torch.device) -> bool:
+    """Whether attention over the codes of a layer on ``device`` decodes the blocks there
+    (off the CPU kernels): a layer on such a device holds its blocks there, and only there."""
+    return not (CPU_KERNELS and device.type == "cpu")
+
 
 #: Up to this many query rows per KV head (query heads per KV head x query tokens), the CPU
 #: kernels compute the whole attention, softmax and exact part included, in one call
@@ -84,11 +91,18 @@ class LayerBlocks:
 
     blocks: list  # the layer's _Block objects, oldest first (a copy of its list)
     sinks: torch.Tensor | None  # [B, S] bool: sinks whose slot is in a block (held exact here)
-    keys: BlockRun  # the blocks' keys and values laid out for the codec's kernels
-    values: BlockRun
+    tokens: int  # coded tokens per stream
+    # The blocks' keys and values laid out for the codec's kernels (None where the layer
+    # holds its blocks only on a device: ``device_held``).
+    keys: BlockRun | None
+    values: BlockRun | None
     # The blocks' stored positions as CodedView._rotation compares them (empty without RoPE).
     positions: tuple
-    # The blocks held on a device for decoding there (off the CPU kernels), by (stream, device).
+    # The layer's blocks where it holds them only on a device (KakeyaLayer._on_device), by
+    # stream, else None.
+    device_held: dict | None = None
+    # Copies of host-held blocks on a device for decoding there (off the CPU kernels), by
+    # (stream, device).
     on_device: dict = field(default_factory=dict)
 
     @classmethod
@@ -97,17 +111,25 @@ class LayerBlocks:
         positions = ()
         if layer._rope is not None:
             positions = tuple((blk.pos.shape, blk.pos_key) for blk in blocks)
-        return cls(
-            blocks,
-            sinks,
-            pipe.run_of([blk.k for blk in blocks], "k"),
-            pipe.run_of([blk.v for blk in blocks], "v"),
-            positions,
-        )
+        tokens = sum(blk.tokens for blk in blocks)
+        if layer._on_device is not None:
+            return cls(blocks, sinks, tokens, None, None, positions, layer._on_device)
+        keys = pipe.run_of([blk.k for blk in blocks], "k")
+        values = pipe.run_of([blk.v for blk in blocks], "v")
+        return cls(blocks, sinks, tokens, keys, values, positions)
 
     def stored(self, stream: str, device: torch.device) -> DeviceBlocks:
         """The blocks' ``stream`` held on ``device``, where attention decodes them with torch
-        (off the CPU kernels): copied there once, on first use after the blocks change."""
+        (off the CPU kernels): the layer's own where it holds them there, else copied there
+        from the host once, on first use after the blocks change."""
+        if self.device_held is not None:
+            held = self.device_held[stream]
+            if held.device != device:
+                raise ValueError(
+                    f"the cache holds this layer's blocks on {held.device}, the model attends "
+                    f"on {device}: a cache stays on the device it was filled on"
+                )
+            return held
         key = (stream, str(device))
         if key not in self.on_device:
             blocks = [getattr(blk, stream) for blk in self.blocks]
@@ -135,7 +157,7 @@ class CodedView:
 
     @property
     def coded_length(self) -> int:
-        return self.held.keys.tokens
+        return self.held.tokens
 
     def exact_part(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns for this forward: the new tokens ``k``, ``v``. The layer's
@@ -174,7 +196,7 @@ class CodedView:
         g, dev = hq // h, query.device
         clen = self.coded_length
         key_runs, value_runs = [*self.runs[0], key], [*self.runs[1], value]
-        kernels = CPU_KERNELS and dev.type == "cpu"
+        kernels = self.held.keys is not None and not reads_on_device(dev)
         joint_k, joint_v = pipe.recipe.joint("k"), pipe.recipe.joint("v")
         if not kernels and joint_k and joint_v and hq * tq <= fused_joint_attend.MAX_ROWS:
             grouped = query.reshape(b, h, g * tq, d)
@@ -357,7 +379,7 @@ class CodedView:
             lay = None if ref is None else ref()
             if lay is None:
                 return
-            if not lay._blocks or lay.layer_idx in ctx.step.prepared:
+            if not lay._blocks or lay._on_device is not None or lay.layer_idx in ctx.step.prepared:
                 continue
             view = CodedView(lay, lay._held_blocks())
             frame, rotation = view._key_inputs(h, d)

@@ -19,7 +19,10 @@ codes their block's mean in their place and they are written over their decoded 
 Attention over the codes (the default with ``KakeyaCache.from_model`` on an sdpa model): the model
 attends through the "kakeya" attention, and ``update`` returns only the new tokens and hands the
 blocks and the other exact tokens (sinks held in blocks, hot window) to that attention
-(``coded_attention.py``), which reads the codes without building dense keys or values.
+(``coded_attention.py``), which reads the codes without building dense keys or values. Where it
+reads them on the model's device (a GPU), the layer holds its blocks there only, from the first
+flush on (``_on_device``: the codec encodes on the CPU, the codes go to the device, the host
+keeps none), and decodes them there when a caller wants them dense.
 
 Decoding (every other caller, or a decoded budget): every step returns the whole
 ``[B, H, L, D]`` keys and values (transformers' attention needs them). Blocks are decoded on
@@ -42,11 +45,13 @@ from typing import Any
 
 import torch
 
+from .. import device_decode
+from ..device_decode import DeviceBlocks
 from ..pipeline import CodedBlock, Pipeline
 from . import heap, int8_rows
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
-from .coded_attention import CodedView, LayerBlocks
+from .coded_attention import CodedView, LayerBlocks, reads_on_device
 from .rope import RotarySpec
 
 
@@ -94,8 +99,11 @@ class CacheContext:
 class _Block:
     """One compressed block: ``block_size`` tokens of every (batch row, kv-head) stream."""
 
-    k: CodedBlock
-    v: CodedBlock
+    # The coded streams held on the host, or None where the layer holds its blocks on the
+    # device attention reads them on (KakeyaLayer._on_device), and only there.
+    k: CodedBlock | None
+    v: CodedBlock | None
+    tokens: int
     # RoPE positions (pre-RoPE mode only, else None), int32: [B, 1] each row's first position
     # when every row's positions run on consecutively (the usual case: 4 bytes per row, not
     # per token), else [B, block_size].
@@ -106,8 +114,10 @@ class _Block:
     pos_key: bytes = b""
 
     @classmethod
-    def holding(cls, k: CodedBlock, v: CodedBlock, positions: torch.Tensor | None) -> _Block:
-        blk = cls(k=k, v=v, pos=None)
+    def holding(
+        cls, k: CodedBlock | None, v: CodedBlock | None, tokens: int, positions: torch.Tensor | None
+    ) -> _Block:
+        blk = cls(k=k, v=v, tokens=tokens, pos=None)
         if positions is not None:
             first = positions[:, :1]
             run = torch.arange(positions.shape[-1], dtype=positions.dtype, device=positions.device)
@@ -122,9 +132,9 @@ class _Block:
     @property
     def positions(self) -> torch.Tensor | None:
         """``[B, block_size]`` int32 RoPE positions, or None."""
-        if self.pos is None or self.pos.shape[-1] == self.k.tokens:
+        if self.pos is None or self.pos.shape[-1] == self.tokens:
             return self.pos
-        run = torch.arange(self.k.tokens, dtype=self.pos.dtype, device=self.pos.device)
+        run = torch.arange(self.tokens, dtype=self.pos.dtype, device=self.pos.device)
         return self.pos + run
 
 
@@ -178,6 +188,10 @@ class KakeyaLayer(CacheLayerMixin):
         self._hot_v: Any = None
         self._hot_pos: Any = None
         self._blocks: list[_Block] = []
+        # Where attention reads the blocks off the CPU kernels (a model on a GPU), their only
+        # copy, on that device: {"k": DeviceBlocks, "v": DeviceBlocks}; None where they are
+        # held on the host (the CPU kernels read them there). Set at the first flush.
+        self._on_device: dict[str, DeviceBlocks] | None = None
         self._held: LayerBlocks | None = None  # the blocks as attention reads them (lazy)
         self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
         self._sink_end = 0  # past the last sink slot (rows selected later may end sooner)
@@ -368,6 +382,10 @@ class KakeyaLayer(CacheLayerMixin):
             for blk in self._blocks[whole:]:
                 self._drop_decoded(blk)
             self._blocks = self._blocks[:whole]
+            if self._on_device is not None:
+                held, self._on_device = self._on_device, None
+                if whole:
+                    self._on_device = {s: run.take(range(whole)) for s, run in held.items()}
             if tail is not None:
                 tk, tv = tk[:, :, :rest].clone(), tv[:, :, :rest].clone()
                 # Sinks were encoded as the block mean: put the exact ones back.
@@ -405,8 +423,10 @@ class KakeyaLayer(CacheLayerMixin):
     def memory_report(self) -> dict:
         """Bytes this layer holds, measured from what it holds."""
         seen, compressed = set(), 0
+        if self._on_device is not None:  # the only copy, as the device holds it
+            compressed = sum(held.nbytes for held in self._on_device.values())
         for blk in self._blocks:
-            for coded in (blk.k, blk.v):
+            for coded in (blk.k, blk.v) if blk.k is not None else ():
                 compressed += coded.norm_bytes
                 for enc in coded.encs:
                     if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share
@@ -567,9 +587,12 @@ class KakeyaLayer(CacheLayerMixin):
         enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
         enc_v = pipe.encode(self._flushed_values(t, new_v), li, "v", None, sinks)
         self._held = None
+        if self._on_device is not None or (not self._blocks and self._holds_on_device()):
+            self._hold_on_device(enc_k, enc_v)
+            enc_k = enc_v = [None] * n  # the host's copies go with this call
         for j in range(n):
             blk = _Block.holding(
-                enc_k[j], enc_v[j], None if pos is None else pos[:, j * bs : (j + 1) * bs]
+                enc_k[j], enc_v[j], bs, None if pos is None else pos[:, j * bs : (j + 1) * bs]
             )
             self._blocks.append(blk)
             if self._buf_k is not None:
@@ -581,6 +604,25 @@ class KakeyaLayer(CacheLayerMixin):
         coded = t * self._rows * self._heads * per_row
         self._keep_hot(t, k.shape[-2])
         heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
+
+    def _holds_on_device(self) -> bool:
+        """Whether the layer's blocks go to its device only: where attention over the codes
+        decodes them there (off the CPU kernels) and the device's decoder reads them (the
+        recipes' water-filled blocks, not every ``CodecParams``). Decided at a first flush."""
+        recipe, li = self._ctx.pipeline.recipe, self.layer_idx
+        readable = all(device_decode.reads(recipe.params(li, s)) for s in ("k", "v"))
+        return readable and reads_on_device(self.device)
+
+    def _hold_on_device(self, enc_k: list[CodedBlock], enc_v: list[CodedBlock]) -> None:
+        """Add a flush's blocks to those the layer holds on its device (attention reads them
+        there, off the CPU kernels): copied there as stored, joined to the held ones, and not
+        kept on the host, so the codes are held once."""
+        new = {"k": enc_k, "v": enc_v}
+        held = self._on_device
+        added = {s: DeviceBlocks.of(blocks, self.device) for s, blocks in new.items()}
+        if held is not None:
+            added = {s: DeviceBlocks.joined([held[s], added[s]]) for s in added}
+        self._on_device = added
 
     def _flushed_values(self, t: int, new_v: torch.Tensor) -> torch.Tensor:
         """Values of the oldest ``t`` hot tokens, as they are coded. A forward's own tokens are
@@ -603,8 +645,16 @@ class KakeyaLayer(CacheLayerMixin):
         pos = None
         if self._rope is not None:
             pos = torch.cat([blk.positions for blk in blocks], dim=-1)
-        dk = pipe.decode([blk.k for blk in blocks], li, "k", b, pos)
-        dv = pipe.decode([blk.v for blk in blocks], li, "v", b)
+        if self._on_device is None:
+            ks, vs = [blk.k for blk in blocks], [blk.v for blk in blocks]
+        elif len(blocks) == len(self._blocks):  # all of them, in order (blocks are unique)
+            ks, vs = self._on_device["k"], self._on_device["v"]
+        else:
+            at = {id(blk): i for i, blk in enumerate(self._blocks)}
+            picked = [at[id(blk)] for blk in blocks]
+            ks, vs = (self._on_device[s].take(picked) for s in ("k", "v"))
+        dk = pipe.decode(ks, li, "k", b, pos)
+        dv = pipe.decode(vs, li, "v", b)
         return (
             dk.to(device=self.device, dtype=self.dtype),
             dv.to(device=self.device, dtype=self.dtype),
@@ -734,9 +784,15 @@ class KakeyaLayer(CacheLayerMixin):
             self._sink_idx = self._sink_idx.index_select(0, rows_dev)
             self._sink_k = self._sink_k.index_select(0, rows_dev)
             self._sink_v = self._sink_v.index_select(0, rows_dev)
+        if self._on_device is not None:
+            every = range(len(self._blocks))
+            self._on_device = {
+                s: held.take(every, before, order) for s, held in self._on_device.items()
+            }
         for blk in self._blocks:
-            blk.k = blk.k.select_rows(order, before)
-            blk.v = blk.v.select_rows(order, before)
+            if blk.k is not None:
+                blk.k = blk.k.select_rows(order, before)
+                blk.v = blk.v.select_rows(order, before)
             if blk.pos is not None:
                 blk.place(blk.pos.index_select(0, rows_dev))
             if blk.decoded is not None:
