@@ -195,19 +195,29 @@ def test_the_triton_attention_kernels_compile_and_agree_with_torch():
     assert fused_int8_rows.usable(x, encode_torch)
 
 
+@pytest.mark.parametrize("scales", [True, "codes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_triton_joint_attention_compiles_and_agrees_with_torch(dtype):
+def test_the_triton_joint_attention_compiles_and_agrees_with_torch(dtype, scales):
     """The softmax and value sums' kernels compiled for this GPU (``fused_joint_attend.py``):
     SmolLM2's decode step over 4,000 coded tokens, sinks, an int8 window and a new token, in
-    the model's dtype; their torch twin's output within their check, and taken after it."""
+    the model's dtype, the token scales decoded or as their codes; their torch twin's output
+    within their check, and taken after it."""
     from kakeyaturbo import fused_joint_attend as fj
 
     if fj.triton is None:
         pytest.skip("Triton is not installed")
     from test_fused_joint_attend import inputs  # tests/, beside this file
 
-    coded, q, keys, values, mask = inputs(8, 2, 3, 64, 3, 1, 4000, (4, 60, 1), bias=2, dtype=dtype)
-    coded = fj.Coded(*(None if x is None else x.cuda() for x in fj._fields(coded)))
+    coded, q, keys, values, mask = inputs(
+        8, 2, 3, 64, 3, 1, 4000, (4, 60, 1), scales=scales, bias=2, dtype=dtype
+    )
+
+    def on_gpu(x):
+        if isinstance(x, fj.ScaleCodes):
+            return fj.ScaleCodes(x.codes.cuda(), x.low.cuda(), x.step.cuda())
+        return None if x is None else x.cuda()
+
+    coded = fj.Coded(*(on_gpu(x) for x in fj._fields(coded)))
     args = (coded, q.cuda(), [k.cuda() for k in keys], [v.cuda() for v in values], mask.cuda())
     args += (0.125, None, 1, dtype)
     assert fj._close(*args)  # float32 output against float64 torch

@@ -24,20 +24,29 @@ pytestmark = pytest.mark.skipif(fj.triton is None, reason="Triton is not install
 
 def inputs(seed, b, h, d, g, tq, t, runs, int8=True, scales=True, bias=0, dtype=torch.float32):
     """Random attention inputs: ``runs`` exact tokens per run (the first held as sinks are, a
-    transposed bfloat16 view; the second's values as int8 rows with ``int8``); ``bias`` 0:
-    none, 1: one row for all (an expanded view), 2: per batch and query row, one row masked
-    whole (random, some coded and exact columns masked)."""
+    transposed bfloat16 view; the second's values as int8 rows with ``int8``); token
+    ``scales`` as float32 (True), as their one-byte codes by blocks ("codes") or none;
+    ``bias`` 0: none, 1: one row for all (an expanded view), 2: per batch and query row, one
+    row masked whole (random, some coded and exact columns masked)."""
     gen = torch.Generator().manual_seed(seed)
     rows, c = g * tq, h * d
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
+    def token_scales():
+        if scales != "codes":
+            return torch.rand(b, h, t, generator=gen) + 0.5 if scales else None
+        tokens = max(n for n in range(1, 257) if t % n == 0)  # blocks of equal tokens
+        codes = torch.randint(0, 256, (b, h, t // tokens, tokens), generator=gen)
+        low, step = rand(b, h, t // tokens), torch.rand(b, h, t // tokens, generator=gen) / 64
+        return fj.ScaleCodes(codes.to(torch.uint8), low, step)  # code 0 (a zero) included
+
     coded = fj.Coded(
         rand(b, h * rows, t) * 3.0,
-        torch.rand(b, h, t, generator=gen) + 0.5 if scales else None,
+        token_scales(),
         rand(b, t, c),
-        torch.rand(b, h, t, generator=gen) + 0.5 if scales else None,
+        token_scales(),
         rand(h, c, d) / c**0.5,
     )
     keys, values = [], []
@@ -64,7 +73,8 @@ def inputs(seed, b, h, d, g, tq, t, runs, int8=True, scales=True, bias=0, dtype=
 # (seed, batch rows, KV heads, head dim, query heads per KV head, query tokens, coded tokens,
 # exact runs, int8 values, scales, bias, softcap, dtype): SmolLM2's decode step (3 x 64, 3
 # query heads each) over many spans; two query tokens with a masked row and a softcap; one
-# head of an odd width and a token; the most query rows in bfloat16; no sinks.
+# head of an odd width and a token; the most query rows in bfloat16; no sinks; SmolLM2's step
+# with a masked row and a softcap. Scales as codes: the kernels decode them as they load them.
 LAYOUTS = textwrap.dedent(
     """
     import sys, torch
@@ -74,9 +84,10 @@ LAYOUTS = textwrap.dedent(
     layouts = [
         (0, 1, 3, 64, 3, 1, 3000, (4, 50, 1), True, True, 0, None, torch.float32),
         (1, 2, 2, 32, 2, 2, 300, (4, 20, 2), False, False, 2, 30.0, torch.float32),
-        (2, 1, 1, 20, 1, 1, 5, (3, 0, 1), True, True, 1, None, torch.float32),
+        (2, 1, 1, 20, 1, 1, 5, (3, 0, 1), True, "codes", 1, None, torch.float32),
         (3, 1, 4, 48, 4, 4, 1300, (2, 33, 4), True, False, 0, None, torch.bfloat16),
-        (4, 2, 3, 64, 3, 1, 600, (0, 64, 1), True, True, 1, None, torch.float32),
+        (4, 2, 3, 64, 3, 1, 600, (0, 64, 1), True, "codes", 1, None, torch.float32),
+        (5, 1, 3, 64, 3, 1, 1024, (4, 40, 1), True, "codes", 2, 50.0, torch.float32),
     ]
     for *layout, softcap, dtype in layouts:
         seed, b, h, d, g, tq, t, runs, int8, scales, bias = layout
@@ -160,7 +171,7 @@ def test_the_kernels_give_the_torch_output_in_every_layout_in_the_interpreter():
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
-    assert "layouts checked 5" in run_interpreted(LAYOUTS, here)
+    assert "layouts checked 6" in run_interpreted(LAYOUTS, here)
 
 
 def test_a_models_decode_steps_attend_with_the_kernels_as_with_torch(

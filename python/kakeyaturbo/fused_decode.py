@@ -113,7 +113,7 @@ def decode(run: Any) -> torch.Tensor:
         grid = (k, triton.cdiv(run.n, BLOCK_N), triton.cdiv(d, block_d))
         _decode_kernel[grid](
             run.codes,
-            run.first,
+            run.base,
             run.per_vector,
             run.bits,
             run.sigma,
@@ -141,7 +141,7 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(
         codes,  # uint8: the run's packed code streams, zero-padded
-        first,  # int32 or int64 [K, d]: the bit of component j of a stream-block's vector 0
+        base,  # int64 [K]: the byte where each stream-block's codes start
         per_vector,  # int64 [K]: bits of one vector
         bits,  # uint8 [K, d]
         sigma,  # float16 [K, d]
@@ -169,7 +169,14 @@ if triton is not None:
         s = tl.load(sigma + side, mask=jm, other=0).to(tl.float32)
         m = tl.load(mean + side, mask=jm, other=0).to(tl.float32)
         g = tl.load(gains + b, mask=jm, other=0.0)
-        start = tl.load(first + side, mask=jm, other=0).to(tl.int64)[None, :]
+        # Component j of vector 0 starts after the stream-block's first bit and the widths of
+        # the components before j: those of the column blocks before this program's, then a
+        # running sum over its own.
+        first = tl.load(base + k) * 8
+        for c in range(0, tl.program_id(2) * BLOCK_D, BLOCK_D):
+            cc = c + tl.arange(0, BLOCK_D)
+            first += tl.sum(tl.load(bits + k * d + cc, mask=cc < d, other=0).to(tl.int64), axis=0)
+        start = (first + (tl.cumsum(b, axis=0) - b).to(tl.int64))[None, :]
         start += t.to(tl.int64)[:, None] * tl.load(per_vector + k)
         ok = (t < n)[:, None] & jm[None, :]
         byte = start >> 3

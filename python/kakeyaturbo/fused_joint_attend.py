@@ -13,7 +13,8 @@ two launches, split over the coded tokens as flash-decoding splits them:
 - ``_partials_kernel``: each program takes a span of the coded tokens for all query rows and
   a slice of the joint coordinates, or one KV head's exact tokens (the sinks, the hot window,
   the new tokens, read where they are held: int8 rows decoded as they load), and writes its
-  largest score, its sum of exponentials and its weighted sum;
+  largest score, its sum of exponentials and its weighted sum; the coded tokens' scales may
+  come as their one-byte codes (:class:`ScaleCodes`), decoded as they load;
 - ``_combine_kernel``: per KV head, the spans' sums rescaled to the common largest score,
   turned out of the joint coordinates by the head's slice of the value frame, the exact part
   added, divided by the sum of exponentials and written in the layout and dtype attention
@@ -36,8 +37,18 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import CheckedKernel, bf16_bits, tl, triton, within_tolerance
+from .norm_codes import decode_run_with_torch
 
-__all__ = ["KERNEL", "MAX_ROWS", "MAX_RUNS", "Coded", "attend", "attend_with_torch", "usable"]
+__all__ = [
+    "KERNEL",
+    "MAX_ROWS",
+    "MAX_RUNS",
+    "Coded",
+    "ScaleCodes",
+    "attend",
+    "attend_with_torch",
+    "usable",
+]
 
 #: The most query rows (query heads x query tokens) the kernels take: a decode step's.
 MAX_ROWS = 64
@@ -62,15 +73,39 @@ KERNEL = CheckedKernel("joint attention")
 
 
 @dataclass(frozen=True)
+class ScaleCodes:
+    """Each head's token scales as the blocks hold them, one byte a token
+    (``norm_codes.StackedNorms``, one run of equally long blocks): the kernels decode them as
+    they load them, where decoding them first took a launch per layer and stream."""
+
+    codes: torch.Tensor  # uint8 [B, H, blocks, tokens]
+    low: torch.Tensor  # float32 [B, H, blocks]: log2 of each block stream's smallest scale
+    step: torch.Tensor  # float32 [B, H, blocks]: its log2 step per code
+
+    def decode(self) -> torch.Tensor:
+        """``[B, H, T]`` float32, as ``norm_codes`` decodes them with torch."""
+        return decode_run_with_torch(self.codes, self.low, self.step)
+
+
+@dataclass(frozen=True)
 class Coded:
     """What attention reads of a layer's blocks coded across heads (``H`` KV heads, ``rows``
-    query rows each, ``T`` coded tokens, ``C = H*D`` joint coordinates)."""
+    query rows each, ``T`` coded tokens, ``C = H*D`` joint coordinates). Token scales are
+    ``[B, H, T]`` tensors or their codes."""
 
     logits: torch.Tensor  # [B, H*rows, T] the keys' logits, before their scales
-    key_scales: torch.Tensor | None  # [B, H, T] each head's key scale (token norms), or None
+    key_scales: torch.Tensor | ScaleCodes | None  # each head's key scale (token norms), or None
     values: torch.Tensor  # [B, T, C] the values' joint coordinates
-    value_scales: torch.Tensor | None  # [B, H, T], or None
+    value_scales: torch.Tensor | ScaleCodes | None
     frames: torch.Tensor  # [H, C, D] each head's slice of the joint value frame
+
+    def decoded(self) -> Coded:
+        """The same with the scales decoded."""
+        ks, vs = (
+            x.decode() if isinstance(x, ScaleCodes) else x
+            for x in (self.key_scales, self.value_scales)
+        )
+        return Coded(self.logits, ks, self.values, vs, self.frames)
 
 
 def usable(coded: Coded, q: torch.Tensor, keys: list, values: list, *args) -> bool:
@@ -93,7 +128,7 @@ def _close(coded: Coded, q, keys, values, bias, scaling, softcap, tq, dtype) -> 
     got = attend(coded, q, keys, values, bias, scaling, softcap, tq, torch.float32)
     # The reference in float64: torch's own float32 products may be TF32 where a user has
     # allowed it (torch.set_float32_matmul_precision), which the kernels' must not be taken for.
-    wide = Coded(*(None if x is None else x.double() for x in _fields(coded)))
+    wide = Coded(*(None if x is None else x.double() for x in _fields(coded.decoded())))
     runs = (
         [k.double() for k in keys],
         [v if v.dtype is torch.int8 else v.double() for v in values],
@@ -135,6 +170,7 @@ def attend_with_torch(
     ones; values may be int8 rows) with the additive ``bias`` ``[B or 1, 1, H*rows, T + n]``
     (None: none), in torch ops, in the dtype of ``coded.logits``."""
     b, h, rows, d = q.shape
+    coded = coded.decoded()
     work, t = coded.logits.dtype, coded.logits.shape[-1]
     logits = coded.logits.view(b, h, rows, t)
     if coded.key_scales is not None:
@@ -187,10 +223,12 @@ def attend(
     logits, values_c, frames = (
         x.to(f32).contiguous() for x in (coded.logits, coded.values, coded.frames)
     )
-    ks, vs = (
-        None if x is None else x.to(f32).contiguous()
-        for x in (coded.key_scales, coded.value_scales)
+    dummy = logits  # read by no program where a tensor is absent
+    (ks, k_low, k_step, k_tokens), (vs, v_low, v_step, v_tokens) = (
+        _scale_args(x, b, h, t, dummy) for x in (coded.key_scales, coded.value_scales)
     )
+    if k_tokens and v_tokens and k_tokens != v_tokens:
+        raise ValueError("joint attention: the key and value scales' blocks differ")
     q = q if q.stride(-1) == 1 else q.contiguous()
     runs = [_run(k, v, b, h, d) for k, v in zip(keys, values)]
     n_exact = sum(n for *_, n in runs)
@@ -210,7 +248,6 @@ def attend(
     l_e = torch.empty_like(m_e)
     acc_e = torch.empty(b, h, rows, d, dtype=f32, device=dev)
     out = torch.empty(b, tq, h * (rows // tq), d, dtype=dtype, device=dev)
-    dummy = logits  # read by no program where a tensor is absent
     (k0, v0, n0), (k1, v1, n1), (k2, v2, n2) = runs
     block_q = max(16, triton.next_power_of_2(qr))
     block_r = max(16, triton.next_power_of_2(rows))
@@ -218,8 +255,12 @@ def attend(
     _partials_kernel[(b, spans * slices + h)](
         logits,
         dummy if ks is None else ks,
+        k_low,
+        k_step,
         values_c,
         dummy if vs is None else vs,
+        v_low,
+        v_step,
         q,
         *q.stride()[:3],
         *k0,
@@ -250,8 +291,11 @@ def attend(
         slices,
         float(scaling),
         1.0 if softcap is None else float(softcap),
+        max(k_tokens, v_tokens, 1),
         HAS_KEY_SCALES=ks is not None,
         HAS_VALUE_SCALES=vs is not None,
+        KEY_CODES=k_tokens > 0,
+        VALUE_CODES=v_tokens > 0,
         HAS_BIAS=bias is not None,
         HAS_SOFTCAP=softcap is not None,
         INT8_0=v0[0].dtype is torch.int8,
@@ -287,6 +331,22 @@ def attend(
     return out
 
 
+def _scale_args(x, b: int, h: int, t: int, dummy: torch.Tensor) -> tuple:
+    """Token scales as the kernel reads them: ``(scales or codes, low, step, tokens per
+    block)``: a ``[B, H, T]`` tensor (``tokens`` 0), or :class:`ScaleCodes`, or None."""
+    if not isinstance(x, ScaleCodes):
+        return (None if x is None else x.to(torch.float32).contiguous()), dummy, dummy, 0
+    blocks, tokens = x.codes.shape[-2:]
+    fits = x.codes.shape == (b, h, blocks, tokens) and blocks * tokens == t
+    if not fits or x.low.shape != (b, h, blocks) or x.step.shape != (b, h, blocks):
+        raise ValueError(
+            f"joint attention: scale codes {tuple(x.codes.shape)} do not fit {b} rows of {h} "
+            f"heads over {t} tokens"
+        )
+    low, step = (y.to(torch.float32).contiguous() for y in (x.low, x.step))
+    return x.codes.contiguous(), low, step, tokens
+
+
 def _run(k: torch.Tensor, v: torch.Tensor, b: int, h: int, d: int) -> tuple:
     """An exact run as the kernel reads it: ``((keys, 3 strides), (values, 3 strides), n)``,
     the tensors where they are (a view of the sinks' held layout is read in place)."""
@@ -315,6 +375,18 @@ if triton is not None:
         if HAS_BIAS:
             s += tl.load(bias_at, mask=ok, other=0.0)
         return tl.where(ok, s, float("-inf"))
+
+    @triton.jit
+    def _scales(scales, low, step, at, blk, ok, CODES: tl.constexpr):
+        """Token scales at ``at`` (``blk``: their blocks' low and step): float32 as given, or
+        decoded from their codes as ``fused_decode``'s norm kernel does, ``exp2((code - 1) *
+        step + low)``, zero for code 0."""
+        if CODES:
+            code = tl.load(scales + at, mask=ok, other=0).to(tl.float32)
+            lg = (code - 1.0) * tl.load(step + blk, mask=ok, other=0.0)
+            lg += tl.load(low + blk, mask=ok, other=0.0)
+            return tl.where(code == 0.0, 0.0, tl.exp2(lg))
+        return tl.load(scales + at, mask=ok, other=0.0)
 
     @triton.jit
     def _values_tile(at, jm, dd, dm, D, INT8: tl.constexpr):
@@ -389,9 +461,13 @@ if triton is not None:
     @triton.jit
     def _partials_kernel(
         logits,  # float32 [B, Q, T]: the coded keys' logits (Q = H * ROWS query rows)
-        key_scales,  # float32 [B, H, T]
+        key_scales,  # float32 [B, H, T], or uint8 codes (KEY_CODES)
+        key_low,  # float32 [B, H, T / TOKENS]: with codes, each block's log2 low and step
+        key_step,
         values,  # float32 [B, T, C]: the coded values' joint coordinates
-        value_scales,  # float32 [B, H, T]
+        value_scales,  # as the key scales
+        value_low,
+        value_step,
         q,  # [B, H, ROWS, D] the queries (exact keys' logits)
         q_sb,
         q_sh,
@@ -442,8 +518,11 @@ if triton is not None:
         SLICES,
         scaling,
         softcap,
+        TOKENS,  # tokens per block of the scale codes
         HAS_KEY_SCALES: tl.constexpr,
         HAS_VALUE_SCALES: tl.constexpr,
+        KEY_CODES: tl.constexpr,
+        VALUE_CODES: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr,
         INT8_0: tl.constexpr,
@@ -471,13 +550,15 @@ if triton is not None:
             row_logits = logits + (b * Q + r)[:, None] * T
             row_bias = bias + b * bias_sb + r[:, None] * bias_sq
             scales_at = (b * H + head)[:, None] * T
+            blocks_at = (b * H + head)[:, None] * (T // TOKENS)
             m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             for t0 in range(lo, hi, BLOCK_T):  # the span's largest score
                 t = t0 + tl.arange(0, BLOCK_T)
                 ok = rm[:, None] & (t < hi)[None, :]
                 raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
                 if HAS_KEY_SCALES:
-                    raw *= tl.load(key_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
+                    raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
                 s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
                 m = tl.maximum(m, tl.max(s, axis=1))
             base = tl.where(m == float("-inf"), 0.0, m)
@@ -489,12 +570,14 @@ if triton is not None:
                 ok = rm[:, None] & tm[None, :]
                 raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
                 if HAS_KEY_SCALES:
-                    raw *= tl.load(key_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
+                    raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
                 s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
                 p = tl.exp(s - base[:, None])
                 total += tl.sum(p, axis=1)
                 if HAS_VALUE_SCALES:
-                    p *= tl.load(value_scales + scales_at + t[None, :], mask=ok, other=0.0)
+                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
+                    p *= _scales(value_scales, value_low, value_step, at, blk, ok, VALUE_CODES)
                 yv = tl.load(
                     values + (b * T + t.to(tl.int64))[:, None] * C + cc[None, :],
                     mask=tm[:, None] & cm[None, :],

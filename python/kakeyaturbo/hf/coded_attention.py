@@ -331,9 +331,9 @@ class CodedView:
         norms = pipe.recipe.token_norms
         coded = fused_joint_attend.Coded(
             self._device_joint_logits(pipe.joint_codes(kb, b), q),
-            pipe.joint_scales(kb) if norms("k") else None,
+            _scales_as_held(pipe, kb) if norms("k") else None,
             pipe.joint_codes(vb, b),
-            pipe.joint_scales(vb) if norms("v") else None,
+            _scales_as_held(pipe, vb) if norms("v") else None,
             pipe.joint_head_frames(li, "v", dev),
         )
         n_exact = sum(k.shape[-2] for k in exact[0])
@@ -675,3 +675,13 @@ def _grouped_heads(mask_heads: int, h: int, g: int) -> tuple[int, int]:
     if mask_heads == h * g:
         return h, g
     raise ValueError(f"attention mask has {mask_heads} heads, the model {h * g}")
+
+
+def _scales_as_held(pipe: Any, held: DeviceBlocks) -> Any:
+    """Each head's token scales of blocks coded across heads, for the joint attention kernels:
+    their one-byte codes where the blocks are one run of equal blocks (the kernels decode them
+    as they load them, one launch fewer per layer and stream), else decoded."""
+    runs = held.norms.runs if held.norms is not None else ()
+    if len(runs) == 1:
+        return fused_joint_attend.ScaleCodes(*runs[0])
+    return pipe.joint_scales(held)
