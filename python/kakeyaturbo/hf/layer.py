@@ -46,7 +46,6 @@ from typing import Any
 import torch
 
 from .. import device_decode
-from ..device_decode import DeviceBlocks
 from ..pipeline import CodedBlock, Pipeline
 from . import heap, int8_rows
 from ._compat import CacheLayerMixin
@@ -191,7 +190,7 @@ class KakeyaLayer(CacheLayerMixin):
         # Where attention reads the blocks off the CPU kernels (a model on a GPU), their only
         # copy, on that device: {"k": DeviceBlocks, "v": DeviceBlocks}; None where they are
         # held on the host (the CPU kernels read them there). Set at the first flush.
-        self._on_device: dict[str, DeviceBlocks] | None = None
+        self._on_device: dict[str, device_decode.DeviceBlocks] | None = None
         self._held: LayerBlocks | None = None  # the blocks as attention reads them (lazy)
         self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
         self._sink_end = 0  # past the last sink slot (rows selected later may end sooner)
@@ -618,10 +617,10 @@ class KakeyaLayer(CacheLayerMixin):
         there, off the CPU kernels): copied there as stored, joined to the held ones, and not
         kept on the host, so the codes are held once."""
         new = {"k": enc_k, "v": enc_v}
-        held = self._on_device
-        added = {s: DeviceBlocks.of(blocks, self.device) for s, blocks in new.items()}
-        if held is not None:
-            added = {s: DeviceBlocks.joined([held[s], added[s]]) for s in added}
+        added = {s: device_decode.DeviceBlocks.of(enc, self.device) for s, enc in new.items()}
+        if self._on_device is not None:
+            held = self._on_device
+            added = {s: device_decode.DeviceBlocks.joined([held[s], added[s]]) for s in added}
         self._on_device = added
 
     def _flushed_values(self, t: int, new_v: torch.Tensor) -> torch.Tensor:
