@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import CheckedKernel, bf16_bits, tl, triton, within_tolerance
-from .norm_codes import decode_run_with_torch
+from .norm_codes import StackedNorms
 
 __all__ = [
     "KERNEL",
@@ -83,8 +83,9 @@ class ScaleCodes:
     step: torch.Tensor  # float32 [B, H, blocks]: its log2 step per code
 
     def decode(self) -> torch.Tensor:
-        """``[B, H, T]`` float32, as ``norm_codes`` decodes them with torch."""
-        return decode_run_with_torch(self.codes, self.low, self.step)
+        """``[B, H, T]`` float32, as the blocks' norms decode (``StackedNorms.decode``: on a
+        GPU by the norm kernel, where it passed its check)."""
+        return StackedNorms([(self.codes, self.low, self.step)]).decode()
 
 
 @dataclass(frozen=True)
@@ -554,10 +555,11 @@ if triton is not None:
             m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             for t0 in range(lo, hi, BLOCK_T):  # the span's largest score
                 t = t0 + tl.arange(0, BLOCK_T)
+                # Each token's scale, and its block's low and step for scales as codes.
+                at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
                 ok = rm[:, None] & (t < hi)[None, :]
                 raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
                 if HAS_KEY_SCALES:
-                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
                     raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
                 s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
                 m = tl.maximum(m, tl.max(s, axis=1))
@@ -566,17 +568,16 @@ if triton is not None:
             acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
             for t0 in range(lo, hi, BLOCK_T):  # its exponentials and weighted sums
                 t = t0 + tl.arange(0, BLOCK_T)
+                at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
                 tm = t < hi
                 ok = rm[:, None] & tm[None, :]
                 raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
                 if HAS_KEY_SCALES:
-                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
                     raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
                 s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
                 p = tl.exp(s - base[:, None])
                 total += tl.sum(p, axis=1)
                 if HAS_VALUE_SCALES:
-                    at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
                     p *= _scales(value_scales, value_low, value_step, at, blk, ok, VALUE_CODES)
                 yv = tl.load(
                     values + (b * T + t.to(tl.int64))[:, None] * C + cc[None, :],
