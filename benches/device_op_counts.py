@@ -1,7 +1,10 @@
-"""Torch ops and Triton launches of one decode step as a GPU would make them, counted on the
-CPU: DynamicCache's, and KakeyaCache's with torch ops only and with the Triton kernels.
+"""Torch ops and Triton launches of one decode step (or of the prompt's prefill, ``--prefill``)
+as a GPU would make them, counted on the CPU: DynamicCache's, and KakeyaCache's with torch ops
+only and with the Triton kernels.
 
     python benches/device_op_counts.py --calibration artifacts/calib-smollm2-joint-both
+    python benches/device_op_counts.py --calibration artifacts/calib-smollm2-joint-both \
+        --prefill --context 4096
 
 On a GPU a decode step of KakeyaCache is set by the host queueing small kernels, one per op
 (``reports/gpu_h100.txt``), so the ops per step are what the GPU work has to cut. Here the
@@ -39,6 +42,7 @@ from kakeyaturbo import (  # noqa: E402
 from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
+from kakeyaturbo.hf import layer as layer_module  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
 
 NO_WORK = re.compile(
@@ -133,20 +137,39 @@ def one_step(model, ids, ctx: int, cache, counts: Counts, launches: collections.
         model(ids[:, ctx + 1 : ctx + 2], **{CACHE_ARG: cache}, use_cache=True)
 
 
+@torch.inference_mode()
+def prefill(model, ids, ctx: int, cache, counts: Counts, launches: collections.Counter) -> None:
+    launches.clear()
+    with counts:
+        model(ids[:, :ctx], **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_text(ap)
     ap.add_argument("--calibration", type=Path, default=None, help="a bundle (default: none)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--top", type=int, default=12, help="call sites listed per setting")
+    ap.add_argument("--prefill", action="store_true", help="count the prompt's forward")
+    ap.add_argument(
+        "--flush-alone",
+        action="store_true",
+        help="each layer flushes in its own update (not together at the forward's end)",
+    )
     args = ap.parse_args()
+    if args.flush_alone:
+        layer_module.DEFERRED_FLUSH_BYTES = -1
+    run, what = (prefill, "prefill") if args.prefill else (one_step, "step")
 
     torch.set_num_threads(1)
     coded_attention.CPU_KERNELS = False
     model, tok = load_model(args.model, dtype="float32")
     ids = tokenize_text(tok, read_text(args.text))[: args.context + 2][None]
     bundle = None if args.calibration is None else Calibration.load(args.calibration, model)
-    print(f"model {Path(args.model).name}, bundle {args.calibration}, context {args.context}")
+    print(
+        f"model {Path(args.model).name}, bundle {args.calibration}, context {args.context}, "
+        f"counting the {what}" + (", each layer flushed alone" if args.flush_alone else "")
+    )
     settings = (
         ("DynamicCache", None),
         ("KakeyaCache, torch ops", False),
@@ -160,12 +183,12 @@ def main() -> None:
         else:
             use_kernels(kernels, counts, launches)
             cache = KakeyaCache.from_model(model, calibration=bundle, hot_dtype=torch.bfloat16)
-        one_step(model, ids, args.context, cache, counts, launches)
+        run(model, ids, args.context, cache, counts, launches)
         own = sum(n for site, n in counts.sites.items() if site != "model")
         total = sum(counts.sites.values()) + sum(launches.values())
         print(
-            f"\n{label}: {total} ops and launches per step, {counts.sites['model']} of them the "
-            f"model's (transformers), {own + sum(launches.values())} the cache's "
+            f"\n{label}: {total} ops and launches per {what}, {counts.sites['model']} of them "
+            f"the model's (transformers), {own + sum(launches.values())} the cache's "
             f"(Triton launches: {dict(launches) or 'none'})"
         )
         for site, n in counts.sites.most_common(args.top):

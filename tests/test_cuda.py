@@ -2,9 +2,10 @@
 CPU, so a CUDA tensor takes one host copy in and one device copy out; these tests check that
 what comes back is on the caller's device, in the caller's dtype, and the same numbers the
 CPU path gives. Attention over the codes decodes blocks held on the GPU with torch
-(``device_decode.py``), which must give the codec's values. Skipped where no CUDA device is
-present (CI); run on an H100 in reports/gpu_h100.txt, where their first run found every GPU
-decode step raising."""
+(``device_decode.py``), which must give the codec's values, and a cache holding its blocks
+there codes them there (``device_encode.py``), which must give the codec's blocks. Skipped
+where no CUDA device is present (CI); run on an H100 in reports/gpu_h100.txt, where their
+first run found every GPU decode step raising."""
 
 from __future__ import annotations
 
@@ -135,6 +136,30 @@ def test_device_decoder_on_the_gpu_gives_the_codecs_values(stream):
     if scale_cpu is not None:  # exp2 (Triton's, fused_decode.NORM_TOLERANCE from torch's)
         # and the norm's reduction may round differently there
         torch.testing.assert_close(scale.cpu(), scale_cpu, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("bits", [2.6, 7.5])
+def test_device_encoder_on_the_gpu_codes_the_codecs_blocks(bits):
+    """Blocks coded on the GPU (where a cache holding its blocks there codes them,
+    device_encode.py) are the codec's blocks coded on the CPU and copied over, byte for byte:
+    float64 sums, float32 quotients and compares, one op at a time, round alike on both."""
+    import dataclasses
+
+    from kakeyaturbo.device_decode import PackedRun
+    from kakeyaturbo.device_encode import encode_run
+    from kakeyaturbo.recipes import default_recipe
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, 192, generator=g) * torch.logspace(-2, 1.3, 192)
+    x[0, 7, 5] = 900.0  # an outlier
+    params = default_recipe().k.replace(block_size=256, bits_per_value=bits)
+    want = PackedRun.of(kt.encode_batch(x, params), torch.device("cuda"))
+    got = encode_run(x.cuda(), params)
+    assert got.codes.is_cuda and got.outlier_pos.numel() > 0
+    for f in dataclasses.fields(got):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b), f.name
+    assert torch.equal(got.decode(), want.decode())
 
 
 @pytest.mark.parametrize("stream", ["k", "v"])

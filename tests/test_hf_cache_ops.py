@@ -246,6 +246,60 @@ def test_blocks_held_only_on_the_device_follow_every_cache_operation(
 
 
 @torch.inference_mode()
+def test_layers_holding_blocks_on_the_device_flush_together_at_the_forwards_end(
+    model, ids, monkeypatch
+):
+    # Such layers' flushes wait for the forward's end (the model hook's) and are coded there
+    # in one call per stream kind for every layer; past DEFERRED_FLUSH_BYTES of waiting tokens
+    # they are coded at once, and without the hook each layer flushes in its own update. Each
+    # way every layer holds the same tensors (and with the hook, attending over the codes,
+    # the logits are the same; without it the model attends over decoded blocks).
+    from kakeyaturbo.hf import coded_attention
+    from kakeyaturbo.hf import layer as layer_module
+    from kakeyaturbo.pipeline import Pipeline
+
+    monkeypatch.setattr(coded_attention, "CPU_KERNELS", False)
+    calls = []
+    real = Pipeline.encode_layers_on_device
+
+    def spy(self, spans, stream):
+        calls.append(len(spans))
+        return real(self, spans, stream)
+
+    monkeypatch.setattr(Pipeline, "encode_layers_on_device", spy)
+    runs = {}
+    for way in ("together", "at once", "unhooked"):
+        limit = 0 if way == "at once" else layer_module.DEFERRED_FLUSH_BYTES
+        monkeypatch.setattr(layer_module, "DEFERRED_FLUSH_BYTES", limit)
+        cache = KakeyaCache.from_model(model, recipe=default_recipe(block_size=64))
+        if way == "unhooked":
+            cache.detach()
+        calls.clear()
+        logits = [step(model, cache, ids[:, :300])]
+        layers = len(cache.layers)
+        assert calls == ([layers, layers] if way == "together" else [1, 1] * layers)
+        logits += [step(model, cache, ids[:, i : i + 1]) for i in range(300, 304)]
+        runs[way] = cache, torch.cat(logits)
+    ref, ref_logits = runs.pop("together")
+    for way, (cache, logits) in runs.items():
+        assert way == "unhooked" or torch.equal(logits, ref_logits)
+        for lay, ref_lay in zip(cache.layers, ref.layers):
+            assert lay.compressed_length == ref_lay.compressed_length == 128
+            for s in ("k", "v"):
+                got, want = lay._on_device[s], ref_lay._on_device[s]
+                (run, _), (ref_run, _) = got.runs[0], want.runs[0]
+                assert all(
+                    torch.equal(getattr(run, f), getattr(ref_run, f))
+                    for f in ("codes", "base", "bits", "sigma", "mean", "outlier_pos")
+                )
+    # What the layers hold after a flush together: the views of one coding split exactly.
+    rep = ref.memory_report()
+    assert rep["compressed_bytes"] == sum(
+        run.nbytes for lay in ref.layers for run in lay._on_device.values()
+    )
+
+
+@torch.inference_mode()
 def test_deepcopy_for_prompt_reuse(model, ids):
     prompt_cache = kakeya(model, pre_rope=True)
     step(model, prompt_cache, ids[:, :200])

@@ -5,11 +5,14 @@ such codes against decoding: ``tests/test_hf_coded_attention.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from kakeyaturbo.calibration import Calibration, CalibrationError, KVTransforms, calibrate
+from kakeyaturbo.device_decode import DeviceBlocks
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 from kakeyaturbo.pipeline import Pipeline
 from kakeyaturbo.recipes import default_recipe
@@ -104,6 +107,34 @@ def test_joint_round_trip_is_near_exact_at_high_bits(joint_bundle, real_kv):
         if s == "v":  # each head's norm is stored and given back (norm codes: within 1.1%)
             ratio = y.norm(dim=-1) / x.norm(dim=-1)
             assert float((ratio - 1).abs().max()) < 0.012
+
+
+def test_blocks_coded_on_the_device_are_those_coded_on_the_host(joint_bundle, real_kv):
+    # A cache holding its blocks on the model's device codes them there
+    # (Pipeline.encode_on_device): across heads, each head's scale (the values' token norms)
+    # from the device's own decode, the same tensors as the host's blocks copied over.
+    # Every layer at once (a cache's flush at a forward's end), each at its own rate: each
+    # layer's blocks are those it codes alone.
+    calib, _ = joint_bundle
+    layers = range(calib.num_layers)
+    offsets = tuple(0.5 * (li % 3) - 0.5 for li in layers)  # as a sensitivity scan gives
+    recipe = default_recipe(calib).replace(k_layer_bits=offsets, v_layer_bits=offsets[::-1])
+    assert len({recipe.params(li, "k").bits_per_value for li in layers}) > 1
+    for s, name in (("k", "k_pre_rope"), ("v", "v")):
+        xs = [torch.from_numpy(real_kv[f"layer{li}.{name}"])[None] for li in layers]
+        spans = [(x, li, None, None) for li, x in zip(layers, xs)]
+        together = Pipeline(recipe, calib).encode_layers_on_device(spans, s)
+        for li, x, held in zip(layers, xs, together):
+            host = DeviceBlocks.of(Pipeline(recipe, calib).encode(x, li, s), torch.device("cpu"))
+            assert (held.streams, held.tokens, held.blocks) == (1, 1024, 4)
+            run, ref = held.runs[0][0], host.runs[0][0]
+            for f in dataclasses.fields(run):
+                a, b = getattr(run, f.name), getattr(ref, f.name)
+                assert not isinstance(a, torch.Tensor) or torch.equal(a, b), (li, f.name)
+            assert (held.norms is None) == (host.norms is None) == (not recipe.token_norms(s))
+            if held.norms is not None:
+                for a, b in zip(held.norms.runs[0], host.norms.runs[0]):
+                    assert torch.equal(a, b)
 
 
 def test_one_stream_across_heads_leaves_the_other_per_head(joint_bundle, real_kv):
@@ -219,7 +250,12 @@ def test_frames_across_heads_by_default_where_they_fit(kv_heads, head_dim, joint
     from kakeyaturbo.calibration.fit import default_joint_heads
 
     cfg = LlamaConfig(
-        vocab_size=32, hidden_size=48 * kv_heads, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=kv_heads * 2, num_key_value_heads=kv_heads, head_dim=head_dim,
+        vocab_size=32,
+        hidden_size=48 * kv_heads,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=kv_heads * 2,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
     )
     assert default_joint_heads(LlamaForCausalLM(cfg)) is joint

@@ -187,6 +187,42 @@ class PackedRun:
             n=n,
         )
 
+    def split(self, counts: Sequence[int]) -> list[PackedRun]:
+        """The run's stream-blocks in consecutive parts of ``counts`` stream-blocks, each a run
+        laid out as :meth:`of` lays out its streams (several layers' streams coded at once, one
+        run per layer). Each part's codes are its own (with their zero padding); its other
+        tensors are views where that needs no op: the parts' views split their storage."""
+        k, d = self.bits.shape
+        if sum(counts) != k or min(counts) <= 0:
+            raise ValueError(f"PackedRun.split: parts of {list(counts)} stream-blocks of {k}")
+        if len(counts) == 1:
+            return [self]
+        tiles = (self.outlier_tiles.numel() - 1) // k
+        edges = np.concatenate(([0], np.cumsum(counts)))
+        ends = torch.cat((self.base, self.base.new_full((1,), self.codes.numel() - _PAD)))
+        at = torch.as_tensor(edges, device=self.base.device)
+        byte, outlier = torch.stack((ends[at], self.outlier_tiles[at * tiles])).tolist()
+        gains = self.gains.expand(len(counts), -1).clone()  # one per part, as of makes them
+        parts = []
+        for i, (lo, hi) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist())):
+            b0, b1, o0, o1 = byte[i], byte[i + 1], outlier[i], outlier[i + 1]
+            parts.append(
+                PackedRun(
+                    codes=torch.nn.functional.pad(self.codes[b0:b1], (0, _PAD)),
+                    base=self.base[lo:hi] - b0,
+                    per_vector=self.per_vector[lo:hi],
+                    bits=self.bits[lo:hi],
+                    sigma=self.sigma[lo:hi],
+                    mean=self.mean[lo:hi],
+                    gains=gains[i],
+                    outlier_pos=self.outlier_pos[o0:o1] - lo * self.n * d,
+                    outlier_dec=self.outlier_dec[o0:o1],
+                    outlier_tiles=self.outlier_tiles[lo * tiles : hi * tiles + 1] - o0,
+                    n=self.n,
+                )
+            )
+        return parts
+
     def take(self, index: torch.Tensor) -> PackedRun:
         """Stream-blocks ``index`` of the run (int64 ``[K']``, in any order, repeats allowed)
         as a run of their own: each one's packed codes, side values and outliers, laid out as

@@ -110,6 +110,24 @@ class StackedNorms:
             runs.append(tuple(t.to(device).contiguous() for t in (codes, llo, step)))
         return cls(runs)
 
+    @classmethod
+    def encoded(cls, norms: torch.Tensor, tokens: int) -> StackedNorms:
+        """``norms`` ``[rows, heads, T]`` coded in blocks of ``tokens`` (``T`` a multiple),
+        stacked on their device as :meth:`of` stacks the blocks' :func:`encode_norms`."""
+        r, h, t = norms.shape
+        coded = encode_norms(norms.reshape(r, h, t // tokens, tokens))
+        llo, step = _log_bounds(coded.bounds)
+        return cls([(coded.codes, llo.contiguous(), step.contiguous())])
+
+    def split(self, rows: Sequence[int]) -> list[StackedNorms]:
+        """The norms of consecutive parts of ``rows`` batch rows (several layers' rows coded
+        at once, one part per layer), as views."""
+        parts = [[] for _ in rows]
+        for run in self.runs:
+            for i, piece in enumerate(zip(*(t.split(list(rows)) for t in run))):
+                parts[i].append(piece)
+        return [StackedNorms(p) for p in parts]
+
     def take(
         self, groups: Sequence[tuple[list[int], torch.Tensor]], rows: torch.Tensor | None
     ) -> StackedNorms:

@@ -44,10 +44,11 @@ import numpy as np
 import torch
 
 from . import codec as _codec
+from . import device_encode
 from ._arrays import bf16_bits
 from ._runs import equal_runs
 from .device_decode import DeviceBlocks
-from .norm_codes import NormCodes, decode_norms, encode_norms
+from .norm_codes import NormCodes, StackedNorms, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
 __all__ = ["BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
@@ -195,19 +196,123 @@ class Pipeline:
         newer than the span's last one (None: unknown); the span's tokens among the recipe's
         ``recent_tokens`` newest are coded apart at ``recent_bits`` more bits."""
         _check(x, stream)
+        one = lambda t: None if t is None else t.cpu()[None]  # noqa: E731 (as one layer of many)
+        if sinks is not None and not bool(sinks.any()):
+            sinks = None
+        x = x.detach().float().cpu()[None]
+        y, norms = self._prepared(x, [layer], stream, one(positions), one(sinks))
+        norms = None if norms is None else norms[0]
+        blocks = self.code_frame(y[0], layer, stream, norms, newer)
+        if norms is not None and self.recipe.joint(stream):
+            self._store_scales(blocks, layer, stream, norms)
+        return blocks
+
+    def encode_on_device(
+        self,
+        x: torch.Tensor,
+        layer: int,
+        stream: str,
+        positions: Optional[torch.Tensor] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> DeviceBlocks:
+        """:meth:`encode` of whole blocks, done on ``x``'s device and held there: what
+        ``DeviceBlocks.of(encode(x, ...), x.device)`` holds, without the round trip through the
+        host (``device_encode.py``; the same blocks but for float rounding in the steps before
+        the codec, which a GPU orders its own way). For a cache whose blocks live on the
+        model's device (``hf/layer.py``); its recipe must be one the device decoder reads."""
+        return self.encode_layers_on_device([(x, layer, positions, sinks)], stream)[0]
+
+    def encode_layers_on_device(self, spans: Sequence[tuple], stream: str) -> list[DeviceBlocks]:
+        """:meth:`encode_on_device` of several layers' spans ``(x, layer, positions, sinks)``
+        at once (a cache flushing its layers together): spans alike (shape, device, RoPE,
+        frame kind, codec parameters but for each layer's rate) are coded by one set of ops
+        over all of them, each layer's blocks the same as coded alone. On a GPU what sets a
+        flush's time is how many small ops the host queues, not their size."""
         bs = self.recipe.block_size
-        x = x.detach().float().cpu()
+        groups: dict[tuple, list[int]] = {}
+        for i, (x, layer, positions, _) in enumerate(spans):
+            _check(x, stream)
+            if x.shape[2] == 0 or x.shape[2] % bs:
+                raise ValueError(
+                    f"encode_on_device codes whole blocks of {bs} tokens, got {x.shape[2]}"
+                )
+            groups.setdefault(self._alike(x, layer, stream, positions), []).append(i)
+        out: list = [None] * len(spans)
+        for members in groups.values():
+            coded = self._encode_alike([spans[i] for i in members], stream)
+            for i, held in zip(members, coded):
+                out[i] = held
+        return out
+
+    def _alike(self, x: torch.Tensor, layer: int, stream: str, positions) -> tuple:
+        """What layers' spans coded together share."""
+        rope = None
         if positions is not None and stream == "k" and self.recipe.pre_rope:
-            x = self._rope_for(layer).unrotate(x, positions.cpu())
-        if sinks is not None and bool(sinks.any()):
-            x = _neutralise(x, sinks.cpu(), bs)
-        y = self._into_frame(x, layer, stream)
+            spec = self._rope_for(layer)
+            rope = (spec.rot_dim, spec.adjacent_pairs, spec.inv_freq.numpy().tobytes())
+        identity = False  # the self-fitted frame is none (a short sequence's)
+        if self._transforms is None:
+            frame = self._frames.get((layer, stream))
+            b, _, t, d = x.shape
+            identity = b * t < MIN_FRAME_TOKENS_PER_DIM * d if frame is None else not frame.numel()
+        params = self.recipe.params(layer, stream).replace(bits_per_value=1.0)
+        return (tuple(x.shape), x.dtype, str(x.device), rope, identity, repr(params.to_dict()))
+
+    def _encode_alike(self, spans: list[tuple], stream: str) -> list[DeviceBlocks]:
+        bs, count = self.recipe.block_size, spans[0][0].shape[2] // self.recipe.block_size
+        layers = [layer for _, layer, _, _ in spans]
+        n = len(spans)
+        stack = lambda ts: ts[0][None] if n == 1 else torch.stack(ts)  # noqa: E731
+        x = stack([s[0] for s in spans]).detach().float()
+        b, h, t, _ = x.shape[1:]
+        positions = None
+        if spans[0][2] is not None:
+            positions = stack([s[2] for s in spans]).to(x.device)
+        masks = [m for _, _, _, m in spans]
+        sinks = None
+        if any(m is not None and bool(m.any()) for m in masks):
+            none = torch.zeros(b, t, dtype=torch.bool)
+            sinks = stack([none if m is None else m.cpu().bool() for m in masks])
+        y, norms = self._prepared(x, layers, stream, positions, sinks)
+        per = b * y.shape[2] * count  # each layer's stream-blocks: stream-major, as DeviceBlocks
+        params = [self.recipe.params(layer, stream) for layer in layers]
+        try:
+            run = device_encode.encode_run(
+                y.reshape(n * per, bs, y.shape[-1]), [p for p in params for _ in range(per)]
+            )
+        except ValueError as exc:
+            raise ValueError(f"layers {layers} {stream}: {exc}") from None
+        runs = run.split([per] * n)
+        held = [DeviceBlocks([(r, count)], per // count, None, t) for r in runs]
+        if norms is not None:
+            if self.recipe.joint(stream):
+                norms = self._head_scales(run.decode().view(n, b, t, -1), layers, stream, norms)
+            stacked = StackedNorms.encoded(norms.reshape(n * b, h, t), bs)
+            for i, one in enumerate(stacked.split([b] * n)):
+                held[i].norms = one
+        return held
+
+    def _prepared(self, x, layers, stream, positions, sinks):
+        """``x`` ``[L, B, H, T, D]`` float32, the spans of ``layers`` (``positions`` and
+        ``sinks`` ``[L, B, T]`` or None) -> (their coding-frame coordinates ``[L, B, S, T, C]``,
+        the codec's input; the tokens' norms ``[L, B, H, T]`` float16 where the stream is coded
+        with them, else None), on ``x``'s device, by one set of ops for them all."""
+        n, b, h, t, d = x.shape
+        if positions is not None and stream == "k" and self.recipe.pre_rope:
+            flat = positions.to(x.device).reshape(n * b, t)
+            x = self._rope_for(layers[0]).unrotate(x.reshape(n * b, h, t, d), flat).view(x.shape)
+        if sinks is not None:
+            flat = sinks.to(x.device).reshape(n * b, t)
+            x = _neutralise(x.reshape(n * b, h, t, d), flat, self.recipe.block_size).view(x.shape)
+        y = self._into_frames(x, layers, stream)
         norms = None
         if self.recipe.token_norms(stream):
             full = y.norm(dim=-1)
-            if bool((full > torch.finfo(torch.float16).max).any()):
+            top = full.amax(dim=(1, 2, 3))
+            if bool((top > torch.finfo(torch.float16).max).any()):
+                i = int(top.argmax())
                 raise ValueError(
-                    f"layer {layer} {stream}: a token's norm {float(full.max()):.4g} exceeds "
+                    f"layer {layers[i]} {stream}: a token's norm {float(top[i]):.4g} exceeds "
                     "float16's range (65504), where token norms are stored; code this stream "
                     f"without token norms ({stream}_token_norms=False)"
                 )
@@ -215,25 +320,38 @@ class Pipeline:
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
             y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
         if not self.recipe.joint(stream):
-            return self.code_frame(y, layer, stream, norms, newer)
-        b, h, t, d = y.shape
-        y = y.permute(0, 2, 1, 3).reshape(b, 1, t, h * d) @ self._joint(layer, stream)
-        blocks = self.code_frame(y, layer, stream, norms, newer)
-        if norms is not None:
-            self._store_scales(blocks, layer, stream, norms)
-        return blocks
+            return y, norms
+        joint = self._joints(layers, stream, y.device)[:, None]
+        y = y.permute(0, 1, 3, 2, 4).reshape(n, b, t, h * d) @ joint
+        return y[:, :, None], norms
+
+    def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
+        """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""
+        if len(layers) == 1:
+            m = self._joint(layers[0], stream)
+            return self._transforms.on(m, (layers[0], stream, "joint"), device)[None]  # type: ignore[union-attr]
+        return self._transforms.stacked(layers, stream, "joint", device)  # type: ignore[union-attr]
 
     def _store_scales(self, blocks: list[CodedBlock], layer: int, stream: str, norms) -> None:
-        """Replace the blocks' token norms ``[B, H, T]`` by each head's scale: its norm over
-        the norm of its decoded unit vector (the decoder multiplies by it and divides by
-        nothing)."""
-        decoded = self._decode_joint(blocks, layer, stream, norms.shape[0], scaled=False)
-        scale = norms.float() / decoded.norm(dim=-1).clamp_min(1e-3)
-        scale = scale.clamp_max(torch.finfo(torch.float16).max).half()
+        """Replace the blocks' token norms ``[B, H, T]`` by each head's scale
+        (:meth:`_head_scales`)."""
+        coded = _coded(blocks, norms.shape[0])[:, 0]
+        scale = self._head_scales(coded[None], [layer], stream, norms[None])[0]
         start = 0
         for blk in blocks:
             blk.norms = encode_norms(scale[:, :, start : start + blk.tokens])
             start += blk.tokens
+
+    def _head_scales(self, coded, layers: list[int], stream: str, norms) -> torch.Tensor:
+        """Each head's scale ``[L, B, H, T]`` float16 of ``layers``' blocks coded across heads
+        (their decoded codes ``coded`` ``[L, B, T, H*D]``; the tokens' norms ``norms``
+        ``[L, B, H, T]``): its norm over the norm of its decoded unit vector (the decoder
+        multiplies by it and divides by nothing)."""
+        n, b, h, t = norms.shape
+        inverse = self._joints(layers, stream, coded.device)[:, None].transpose(-1, -2)
+        heads = (coded @ inverse).view(n, b, t, h, -1).permute(0, 1, 3, 2, 4)
+        scale = norms.float() / heads.norm(dim=-1).clamp_min(1e-3)
+        return scale.clamp_max(torch.finfo(torch.float16).max).half()
 
     def code_frame(
         self,
@@ -282,10 +400,9 @@ class Pipeline:
         layer: int,
         stream: str,
         rows: int,
-        scaled: bool = True,
     ) -> torch.Tensor:
         """Blocks coded across heads -> each head's coding-frame coordinates ``[rows, H, T, D]``
-        (``scaled``: times its stored scale, for streams with token norms)."""
+        (times its stored scale, for streams with token norms)."""
         y = _coded(blocks, rows)[:, 0]
         joint = self._transforms.on(  # type: ignore[union-attr]
             self._joint(layer, stream), (layer, stream, "joint"), y.device
@@ -293,7 +410,7 @@ class Pipeline:
         y = y @ joint.T  # [rows, T, H*D]
         heads = self._transforms.matrix(layer, stream, "inv").shape[0]  # type: ignore[union-attr]
         y = y.reshape(rows, y.shape[1], heads, -1).permute(0, 2, 1, 3)
-        if scaled and self.recipe.token_norms(stream):
+        if self.recipe.token_norms(stream):
             y = y * _coded_norms(blocks)[..., None]  # as the device decoder scales them
         return y
 
@@ -582,8 +699,32 @@ class Pipeline:
     # ---- frames ----------------------------------------------------------------------------
 
     def _into_frame(self, x, layer, stream):
+        """``x`` ``[B, H, T, D]`` of ``layer`` into its coding frame."""
         if self._transforms is not None:
             return self._transforms.forward(x, layer, stream)
+        frame = self._frame_for(x, layer, stream)
+        if not frame.numel():  # the identity frame
+            return x
+        return torch.einsum("bhtd,hde->bhte", x, frame.float().to(x.device))
+
+    def _into_frames(self, x, layers, stream):
+        """``x`` ``[L, B, H, T, D]`` of ``layers`` into their coding frames, by one product
+        for them all (each layer's the same as :meth:`_into_frame` gives)."""
+        if len(layers) == 1:
+            return self._into_frame(x[0], layers[0], stream)[None]
+        if self._transforms is not None:
+            m = self._transforms.stacked(layers, stream, "fwd", x.device)
+            if m.shape[1] != x.shape[2]:
+                raise ValueError(f"{x.shape[2]} KV heads, calibration has {m.shape[1]}")
+        else:
+            frames = [self._frame_for(x[i], layer, stream) for i, layer in enumerate(layers)]
+            if not frames[0].numel():  # the identity frame (alike layers share its kind)
+                return x
+            m = torch.stack(frames).float().to(x.device)
+        return torch.einsum("lbhtd,lhde->lbhte", x, m)
+
+    def _frame_for(self, x, layer, stream) -> torch.Tensor:
+        """``layer``'s self-fitted frame, fitted on ``x`` ``[B, H, T, D]`` if it has none."""
         frame = self._frames.get((layer, stream))
         if frame is None:
             b, _, t, d = x.shape
@@ -591,9 +732,7 @@ class Pipeline:
             # costs more than it saves, and the sequence is coded in the identity frame.
             fit = b * t >= MIN_FRAME_TOKENS_PER_DIM * d
             frame = self._frames[(layer, stream)] = _fit_frame(x) if fit else _IDENTITY
-        if not frame.numel():  # the identity frame
-            return x
-        return torch.einsum("bhtd,hde->bhte", x, frame.float())
+        return frame
 
     def _from_frame(self, y, layer, stream, positions):
         if self._transforms is not None:
@@ -626,13 +765,16 @@ def _check(x: Any, stream: str) -> None:
 
 def _neutralise(x: torch.Tensor, sinks: torch.Tensor, bs: int) -> torch.Tensor:
     """``x`` with each sink token replaced by the mean of the other tokens of its block."""
-    keep = (~sinks.bool()).to(x.dtype)[:, None, :, None]  # [B, 1, T, 1]
-    out = x.clone()
-    for lo in range(0, x.shape[2], bs):
-        seg, k = x[:, :, lo : lo + bs], keep[:, :, lo : lo + bs]
-        mean = (seg * k).sum(2, keepdim=True) / k.sum(2, keepdim=True).clamp(min=1)
-        out[:, :, lo : lo + bs] = torch.where(k.bool(), seg, mean)
-    return out
+    b, h, t, d = x.shape
+    whole = t - t % bs
+    if whole and whole < t:  # whole blocks at once, then the shorter last one
+        parts = (x[:, :, :whole], sinks[:, :whole]), (x[:, :, whole:], sinks[:, whole:])
+        return torch.cat([_neutralise(xs, ss, bs) for xs, ss in parts], dim=2)
+    n = max(t // bs, 1)
+    seg = x.reshape(b, h, n, -1, d)
+    keep = (~sinks.bool()).to(x.dtype).reshape(b, 1, n, -1, 1)
+    mean = (seg * keep).sum(3, keepdim=True) / keep.sum(3, keepdim=True).clamp(min=1)
+    return torch.where(keep.bool(), seg, mean).reshape(b, h, t, d)
 
 
 def _code_blocks(y, norms, start, params, bs, layer, stream) -> list[CodedBlock]:

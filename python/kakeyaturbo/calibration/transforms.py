@@ -56,6 +56,20 @@ class KVTransforms:
             self._derived[k] = m.to(device)
         return self._derived[k]
 
+    def stacked(self, layers, stream: str, way: str, device: torch.device) -> torch.Tensor:
+        """The matrices of ``layers`` stacked ``[L, ...]`` on ``device``: :meth:`matrix`'s
+        (``way`` ``"fwd"`` or ``"inv"``) or :meth:`joint`'s (``way="joint"``), made once per
+        bundle, layers and device (a cache coding its layers together reads them so)."""
+        key = ("stacked", self._whiten, tuple(layers), stream, way, str(device))
+        if key not in self._derived:
+            if way == "joint":
+                self.joint(0, stream)  # the bundle has them (else its error)
+                every = self._joint[stream]
+            else:
+                every = self._mats[(stream, way)]
+            self._derived[key] = every[list(layers)].to(device)
+        return self._derived[key]
+
     def matrix(self, layer: int, stream: str, way: str) -> torch.Tensor:
         """``[H, D, D]`` float32 ``m`` of ``layer``'s ``stream``: ``y = x @ m`` (``way="fwd"``)
         or ``x = y @ m`` (``"inv"``)."""

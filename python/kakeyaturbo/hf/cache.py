@@ -33,7 +33,7 @@ from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .attention import ACTIVE_STEP
 from .attention import NAME as ATTENTION_NAME
 from .budget import DecodedBudget
-from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes
+from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes, flush_together
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
 from .rope import ModelRope, rotary_spec_from_config
 
@@ -280,7 +280,10 @@ class KakeyaCache(Cache):
                     getattr(module.config, "_attn_implementation", None) == ATTENTION_NAME
                 )
                 step = StepInputs(
-                    bound.get("position_ids"), bound.get("attention_mask"), coded_attention=coded
+                    bound.get("position_ids"),
+                    bound.get("attention_mask"),
+                    coded_attention=coded,
+                    hooked=True,
                 )
                 cache._ctx.step = step
                 cache._active.append(ACTIVE_STEP.set(step))
@@ -289,9 +292,10 @@ class KakeyaCache(Cache):
         def post_hook(module, args, kwargs, output):
             cache = ref()
             if cache is not None:
-                cache._ctx.step = StepInputs()
+                step, cache._ctx.step = cache._ctx.step, StepInputs()
                 if cache._active:
                     ACTIVE_STEP.reset(cache._active.pop())
+                flush_together(step.flushes)  # the layers that waited for the forward's end
             return None
 
         self._hook_handles = [

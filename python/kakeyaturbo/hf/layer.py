@@ -21,8 +21,10 @@ attends through the "kakeya" attention, and ``update`` returns only the new toke
 blocks and the other exact tokens (sinks held in blocks, hot window) to that attention
 (``coded_attention.py``), which reads the codes without building dense keys or values. Where it
 reads them on the model's device (a GPU), the layer holds its blocks there only, from the first
-flush on (``_on_device``: the codec encodes on the CPU, the codes go to the device, the host
-keeps none), and decodes them there when a caller wants them dense.
+flush on (``_on_device``: coded there by the torch encoder, ``device_encode.py``, the host
+keeps none), and decodes them there when a caller wants them dense. Such layers' flushes in a
+forward wait for its end and are coded together (:func:`flush_together`): on a GPU a flush is
+hundreds of small ops per layer otherwise, and sets a prompt's prefill time.
 
 Decoding (every other caller, or a decoded budget): every step returns the whole
 ``[B, H, L, D]`` keys and values (transformers' attention needs them). Blocks are decoded on
@@ -53,6 +55,11 @@ from .budget import DecodedBudget
 from .coded_attention import CodedView, LayerBlocks, reads_on_device
 from .rope import RotarySpec
 
+#: Exact tokens (and their forwards' values) that flushes waiting for a forward's end may keep
+#: before they are coded (the layers waiting so far, together): what deferring adds to a
+#: prompt's peak memory on the device, about four times this with the coding's temporaries.
+DEFERRED_FLUSH_BYTES = 64 << 20
+
 
 @dataclass
 class StepInputs:
@@ -74,6 +81,10 @@ class StepInputs:
     # Keys made ahead for a layer's attention (CodedView.prepare_next), by layer index:
     # (the LayerBlocks they were made from, the codec's PreparedKeys).
     prepared: dict = field(default_factory=dict)
+    # The cache's model hook made this forward's inputs, and calls flush_together on
+    # `flushes` (layers, with their forward's values, waiting to flush) at the forward's end.
+    hooked: bool = False
+    flushes: list = field(default_factory=list)
 
 
 @dataclass
@@ -111,17 +122,6 @@ class _Block:
     # `pos` as bytes (b"" without): layers of a forward compare their blocks' positions by
     # these, without a tensor op per layer (CodedView._rotation). Set with `pos` by `place`.
     pos_key: bytes = b""
-
-    @classmethod
-    def holding(
-        cls, k: CodedBlock | None, v: CodedBlock | None, tokens: int, positions: torch.Tensor | None
-    ) -> _Block:
-        blk = cls(k=k, v=v, tokens=tokens, pos=None)
-        if positions is not None:
-            first = positions[:, :1]
-            run = torch.arange(positions.shape[-1], dtype=positions.dtype, device=positions.device)
-            blk.place(first if torch.equal(positions, first + run) else positions)
-        return blk
 
     def place(self, pos: torch.Tensor) -> None:
         """Holds (a copy of) ``pos`` as the block's stored positions."""
@@ -435,7 +435,11 @@ class KakeyaLayer(CacheLayerMixin):
             _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
         )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
-        aux += sum(_storage_bytes(b.pos) for b in self._blocks)
+        # A flush's blocks hold views of one tensor of their positions: each storage once.
+        held_pos = {
+            b.pos.untyped_storage().data_ptr(): b.pos for b in self._blocks if b.pos is not None
+        }
+        aux += sum(_storage_bytes(p) for p in held_pos.values())
         device_copy = 0
         if self._held is not None:  # which sinks sit in blocks, kept for attention
             aux += _storage_bytes(self._held.sinks)
@@ -572,27 +576,60 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _flush(self, new_v: torch.Tensor) -> None:
         """Encode every whole block of hot tokens older than the residual window (``new_v``: the
-        values of the forward that just appended its tokens)."""
-        bs = self.block_size
-        n = max(self._hot_k.shape[-2] - self.residual_length, 0) // bs
+        values of the forward that just appended its tokens). A layer holding its blocks on its
+        device, in a forward the cache's model hook sees, waits for the forward's end and is
+        flushed there with the other layers (:func:`flush_together`), up to
+        :data:`DEFERRED_FLUSH_BYTES` of exact tokens waiting."""
+        n = self._whole_blocks()
         if n == 0:
             return
-        t, start = n * bs, self.compressed_length
+        if not (self._on_device is not None or (not self._blocks and self._holds_on_device())):
+            pipe, li = self._ctx.pipeline, self.layer_idx
+            sinks, spans = self._flush_spans(n, new_v)
+            enc_k, enc_v = (pipe.encode(x, li, s, p, sinks) for s, (x, p) in spans.items())
+            self._commit_flush(n, enc_k, enc_v)
+            return
+        step = self._ctx.step
+        if not step.hooked:
+            flush_together([(self, new_v)])
+            return
+        step.flushes.append((self, new_v))
+        waiting = sum(layer._flush_bytes(v) for layer, v in step.flushes)
+        if waiting > DEFERRED_FLUSH_BYTES:
+            flushes, step.flushes = step.flushes, []
+            flush_together(flushes)
+
+    def _whole_blocks(self) -> int:
+        """Whole blocks of hot tokens older than the residual window (what a flush codes)."""
+        return max(self._hot_k.shape[-2] - self.residual_length, 0) // self.block_size
+
+    def _flush_bytes(self, new_v: torch.Tensor) -> int:
+        """Bytes a waiting flush keeps: the hot window and the forward's values."""
+        return sum(_storage_bytes(t) for t in (self._hot_k, self._hot_v, new_v))
+
+    def _flush_spans(self, n: int, new_v: torch.Tensor) -> tuple:
+        """(sink mask, ``{"k": (keys, positions), "v": (values, None)}``) of a flush of ``n``
+        blocks: the oldest tokens, as they are coded."""
+        t = n * self.block_size
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        sinks = self._sink_mask(start, t)
-        pipe, li = self._ctx.pipeline, self.layer_idx
+        sinks = self._sink_mask(self.compressed_length, t)
         # Whole blocks of bs tokens only: the recipe's newest-token bits never apply here (the
         # newest residual_length tokens are held exact instead).
-        enc_k = pipe.encode(self._hot_k[:, :, :t], li, "k", pos, sinks)
-        enc_v = pipe.encode(self._flushed_values(t, new_v), li, "v", None, sinks)
+        return sinks, {
+            "k": (self._hot_k[:, :, :t], pos),
+            "v": (self._flushed_values(t, new_v), None),
+        }
+
+    def _commit_flush(self, n: int, enc_k: list, enc_v: list) -> None:
+        """Hold ``n`` flushed blocks (their host streams, or None each where the layer holds them
+        on its device, added there already) and drop their tokens from the hot window."""
+        bs = self.block_size
+        t = n * bs
         self._held = None
-        if self._on_device is not None or (not self._blocks and self._holds_on_device()):
-            self._hold_on_device(enc_k, enc_v)
-            enc_k = enc_v = [None] * n  # the host's copies go with this call
-        for j in range(n):
-            blk = _Block.holding(
-                enc_k[j], enc_v[j], bs, None if pos is None else pos[:, j * bs : (j + 1) * bs]
-            )
+        pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
+        placed = [(None, b"")] * n if pos is None else _block_positions(pos, n, bs)
+        for j, (at, key) in enumerate(placed):
+            blk = _Block(k=enc_k[j], v=enc_v[j], tokens=bs, pos=at, pos_key=key)
             self._blocks.append(blk)
             if self._buf_k is not None:
                 # Decoded into the buffer at the next update: the forward in flight still
@@ -612,12 +649,10 @@ class KakeyaLayer(CacheLayerMixin):
         readable = all(device_decode.reads(recipe.params(li, s)) for s in ("k", "v"))
         return readable and reads_on_device(self.device)
 
-    def _hold_on_device(self, enc_k: list[CodedBlock], enc_v: list[CodedBlock]) -> None:
-        """Add a flush's blocks to those the layer holds on its device (attention reads them
-        there, off the CPU kernels): copied there as stored, joined to the held ones, and not
-        kept on the host, so the codes are held once."""
-        new = {"k": enc_k, "v": enc_v}
-        added = {s: device_decode.DeviceBlocks.of(enc, self.device) for s, enc in new.items()}
+    def _hold_on_device(self, added: dict[str, device_decode.DeviceBlocks]) -> None:
+        """Add a flush's blocks, coded on the layer's device (attention reads them there, off
+        the CPU kernels), to those it holds there: joined to the held ones; the host never
+        holds them, so the codes are held once."""
         if self._on_device is not None:
             held = self._on_device
             added = {s: device_decode.DeviceBlocks.joined([held[s], added[s]]) for s in added}
@@ -801,6 +836,53 @@ class KakeyaLayer(CacheLayerMixin):
                 if self._ctx.budget.try_reserve(sum(_storage_bytes(t) for t in new)):
                     blk.decoded = new
         self._rows = len(order)
+
+
+def _block_positions(pos: torch.Tensor, n: int, bs: int) -> list[tuple[Any, bytes]]:
+    """Each of ``n`` flushed blocks' stored positions (``_Block.pos``) and their bytes, from the
+    flush's ``pos`` ``[B, n * bs]``: where every block's run on consecutively (the usual case),
+    each row's first position of each block, all blocks' in one tensor (one op on the device)
+    that the blocks hold views of; else each block's own copy."""
+    host = pos.cpu()
+    b = host.shape[0]
+    starts = host[:, ::bs]
+    steps = torch.arange(bs, dtype=host.dtype)
+    runs = (host.view(b, n, bs) == starts[..., None] + steps).all(dim=2).all(dim=0).tolist()
+    firsts = pos[:, ::bs].clone() if all(runs) else None
+    out = []
+    for j, run in enumerate(runs):
+        if firsts is not None:
+            out.append((firsts[:, j : j + 1], starts[:, j : j + 1].numpy().tobytes()))
+            continue
+        span = slice(j * bs, j * bs + 1) if run else slice(j * bs, (j + 1) * bs)
+        out.append((pos[:, span].clone(), host[:, span].numpy().tobytes()))
+    return out
+
+
+def flush_together(waiting: list[tuple[KakeyaLayer, torch.Tensor]]) -> None:
+    """Flush layers that hold their blocks on their device (``(layer, its forward's values)``,
+    of one cache): their spans coded together, one set of ops per stream kind for all of them
+    (``Pipeline.encode_layers_on_device``), each layer's blocks the same as flushed alone. On a
+    GPU a prompt's flush is otherwise a few hundred small ops per layer, each queued by the
+    host, and sets the prefill's time."""
+    jobs = []
+    for layer, new_v in waiting:
+        n = layer._whole_blocks()
+        if n:
+            jobs.append((layer, n, *layer._flush_spans(n, new_v)))
+    if not jobs:
+        return
+    pipe = jobs[0][0]._ctx.pipeline
+    coded = {
+        s: pipe.encode_layers_on_device(
+            [(spans[s][0], layer.layer_idx, spans[s][1], sinks) for layer, _, sinks, spans in jobs],
+            s,
+        )
+        for s in ("k", "v")
+    }
+    for i, (layer, n, _, _) in enumerate(jobs):
+        layer._hold_on_device({s: coded[s][i] for s in coded})
+        layer._commit_flush(n, [None] * n, [None] * n)
 
 
 def _row_index(index: Any, name: str) -> torch.Tensor:

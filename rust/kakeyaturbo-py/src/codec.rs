@@ -342,6 +342,15 @@ pub fn gaussian_codebook(bits: u8) -> PyResult<Vec<f32>> {
         .to_vec())
 }
 
+/// The Gaussian Lloyd-Max codebooks' distortions `D(b)` for `b` in 0..=8 (`D(0) = 1`): the
+/// table water-filling spends bits by, for an encoder outside the codec (`device_encode.py`).
+#[pyfunction]
+pub fn gaussian_distortions() -> Vec<f64> {
+    (0..=kakeyaturbo::waterfill::MAX_COMPONENT_BITS)
+        .map(kakeyaturbo::lloyd_max::gaussian_distortion)
+        .collect()
+}
+
 /// Lloyd-Max levels fitted to `samples` (for calibrated codebooks).
 #[pyfunction]
 #[pyo3(signature = (samples, bits, iters=100))]

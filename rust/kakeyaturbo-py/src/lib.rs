@@ -38,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prepared::prepare_keys, m)?)?;
     m.add_function(wrap_pyfunction!(int8_rows::int8_rows_encode, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::gaussian_distortions, m)?)?;
     m.add_function(wrap_pyfunction!(codec::fit_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(codec::wht_rotate, m)?)?;
     m.add_function(wrap_pyfunction!(codec::waterfill_sections, m)?)?;
@@ -80,6 +81,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "int8_rows_encode",
             "fit_codebook",
             "gaussian_codebook",
+            "gaussian_distortions",
             "prepare_keys",
             "share_torch_threads",
             "stage_errors",

@@ -101,6 +101,14 @@ pub(crate) fn book(bits: u8) -> &'static Codebook {
     lloyd_max::gaussian(bits).expect("1..=8 bits")
 }
 
+/// The stored scale of a component of variance `var`: its square root, bounded, rounded to
+/// f16 through f32. (`half`'s `f16::from_f64` rounds through f32 where the CPU has F16C and
+/// once elsewhere, so the same input gave other bytes on other machines; an encoder outside
+/// the codec, `device_encode.py`, rounds as this does.)
+fn scale_of(var: f64) -> f16 {
+    f16::from_f32(var.sqrt().min(MAX_MAGNITUDE as f64) as f32)
+}
+
 /// Codes `n` coefficient rows of length `d_eff` (weights `w`, input length `d`).
 pub fn encode(
     coeffs: &[f32],
@@ -116,10 +124,7 @@ pub fn encode(
             *v += w[i] * (c as f64) * (c as f64);
         }
     }
-    let sigma: Vec<f16> = var
-        .iter()
-        .map(|&v| f16::from_f64(v.sqrt().min(MAX_MAGNITUDE as f64)))
-        .collect();
+    let sigma: Vec<f16> = var.iter().map(|&v| scale_of(v)).collect();
     let sig: Vec<f32> = sigma.iter().map(|s| s.to_f32()).collect();
     let budget = (p.bits_per_value as f64 * d as f64).round() as usize;
     let comp_bits = allocate(&sig.iter().map(|s| s * s).collect::<Vec<_>>(), budget);
@@ -165,6 +170,16 @@ mod tests {
         assert_corruption_is_rejected, assert_resealed_corruption_is_safe, kv_like, roundtrip,
         waterfill,
     };
+
+    #[test]
+    fn scales_round_through_f32_on_every_machine() {
+        // Just past the f16 midpoint 1 + 2^-11 by less than f32 resolves: rounded once it is
+        // 1 + 2^-10, through f32 it lands on the midpoint and then on the even 1.0.
+        let root = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(scale_of(root * root), f16::ONE);
+        assert_eq!(scale_of(9.0), f16::from_f32(3.0));
+        assert_eq!(scale_of(1e12), f16::from_f32(MAX_MAGNITUDE));
+    }
 
     #[test]
     fn high_variance_components_get_more_bits() {
