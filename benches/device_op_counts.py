@@ -42,7 +42,7 @@ from kakeyaturbo import (  # noqa: E402
 from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
-from kakeyaturbo.hf import layer as layer_module  # noqa: E402
+from kakeyaturbo.hf.layer import DEFERRED_FLUSH_BYTES  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
 
 NO_WORK = re.compile(
@@ -152,13 +152,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="call sites listed per setting")
     ap.add_argument("--prefill", action="store_true", help="count the prompt's forward")
     ap.add_argument(
-        "--flush-alone",
-        action="store_true",
-        help="each layer flushes in its own update (not together at the forward's end)",
+        "--flush-together-mib",
+        type=float,
+        default=DEFERRED_FLUSH_BYTES / 2**20,
+        help="KakeyaCache's flush_together_bytes, in MiB (0: each layer flushes alone)",
     )
     args = ap.parse_args()
-    if args.flush_alone:
-        layer_module.DEFERRED_FLUSH_BYTES = -1
     run, what = (prefill, "prefill") if args.prefill else (one_step, "step")
 
     torch.set_num_threads(1)
@@ -168,7 +167,7 @@ def main() -> None:
     bundle = None if args.calibration is None else Calibration.load(args.calibration, model)
     print(
         f"model {Path(args.model).name}, bundle {args.calibration}, context {args.context}, "
-        f"counting the {what}" + (", each layer flushed alone" if args.flush_alone else "")
+        f"counting the {what}, flush_together_bytes {args.flush_together_mib:g} MiB"
     )
     settings = (
         ("DynamicCache", None),
@@ -182,7 +181,12 @@ def main() -> None:
             cache = DynamicCache(config=model.config)
         else:
             use_kernels(kernels, counts, launches)
-            cache = KakeyaCache.from_model(model, calibration=bundle, hot_dtype=torch.bfloat16)
+            cache = KakeyaCache.from_model(
+                model,
+                calibration=bundle,
+                hot_dtype=torch.bfloat16,
+                flush_together_bytes=int(args.flush_together_mib * 2**20),
+            )
         run(model, ids, args.context, cache, counts, launches)
         own = sum(n for site, n in counts.sites.items() if site != "model")
         total = sum(counts.sites.values()) + sum(launches.values())

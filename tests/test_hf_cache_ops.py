@@ -250,12 +250,11 @@ def test_layers_holding_blocks_on_the_device_flush_together_at_the_forwards_end(
     model, ids, monkeypatch
 ):
     # Such layers' flushes wait for the forward's end (the model hook's) and are coded there
-    # in one call per stream kind for every layer; past DEFERRED_FLUSH_BYTES of waiting tokens
+    # in one call per stream kind for every layer; past flush_together_bytes of waiting tokens
     # they are coded at once, and without the hook each layer flushes in its own update. Each
     # way every layer holds the same tensors (and with the hook, attending over the codes,
     # the logits are the same; without it the model attends over decoded blocks).
     from kakeyaturbo.hf import coded_attention
-    from kakeyaturbo.hf import layer as layer_module
     from kakeyaturbo.pipeline import Pipeline
 
     monkeypatch.setattr(coded_attention, "CPU_KERNELS", False)
@@ -269,9 +268,8 @@ def test_layers_holding_blocks_on_the_device_flush_together_at_the_forwards_end(
     monkeypatch.setattr(Pipeline, "encode_layers_on_device", spy)
     runs = {}
     for way in ("together", "at once", "unhooked"):
-        limit = 0 if way == "at once" else layer_module.DEFERRED_FLUSH_BYTES
-        monkeypatch.setattr(layer_module, "DEFERRED_FLUSH_BYTES", limit)
-        cache = KakeyaCache.from_model(model, recipe=default_recipe(block_size=64))
+        alone = {"flush_together_bytes": 0} if way == "at once" else {}
+        cache = KakeyaCache.from_model(model, recipe=default_recipe(block_size=64), **alone)
         if way == "unhooked":
             cache.detach()
         calls.clear()
@@ -412,6 +410,8 @@ def test_bad_parameters_raise_clearly(model):
         )
     with pytest.raises(ValueError, match="decoded_cache_bytes"):
         KakeyaCache(cfg, decoded_cache_bytes=-1)
+    with pytest.raises(ValueError, match="flush_together_bytes"):
+        KakeyaCache(cfg, flush_together_bytes=-1)
     with pytest.raises(TypeError, match="PretrainedConfig"):
         KakeyaCache({"num_hidden_layers": 6})
     with pytest.raises(TypeError, match="transformers model"):

@@ -34,7 +34,7 @@ MAX_MAGNITUDE = 60_000.0
 #: The codec's limit on a vector's length (``MAX_HEAD_DIM``).
 MAX_DIM = 4096
 #: Values coded at once (a larger span is coded in pieces of whole stream-blocks).
-CHUNK_VALUES = 1 << 23
+CHUNK_VALUES = 1 << 22
 
 
 def _bound_table() -> torch.Tensor:
@@ -113,20 +113,21 @@ def _encode(y: torch.Tensor, budget: torch.Tensor, params: Any) -> PackedRun:
     # The codec's weights are 1/n each, in float64; its sums run over the vectors.
     w = 1.0 / n
     skeleton = _SKELETON[params.skeleton_dtype]
-    mean = (y.double() * w).sum(dim=1).float().to(skeleton)  # [K, d], rounded as stored
+    # In place where a step's input is not needed after it: a flush codes millions of values.
+    mean = y.double().mul_(w).sum(dim=1).float().to(skeleton)  # [K, d], rounded as stored
     c = y - mean.float()[:, None, :]
-    c64 = c.double()
-    var = (c64 * w * c64).sum(dim=1)
+    var = c.double().mul_(w).mul_(c).sum(dim=1)  # (w * c) * c, as the codec
     # Rounded to float16 through float32, as the codec rounds it.
     sigma = var.sqrt().clamp_max(MAX_MAGNITUDE).float().half()  # [K, d]
     sig = sigma.float()
     bits = _allocate(sig * sig, budget)  # [K, d] int64
     # Scaled coefficients; components of scale 0 are 0 (divided by 1, then selected).
-    z = (c / torch.where(sig > 0, sig, 1.0)[:, None, :]).clamp(-MAX_MAGNITUDE, MAX_MAGNITUDE)
-    z = torch.where(sig[:, None, :] > 0, z, 0.0)
+    z = c.div_(torch.where(sig > 0, sig, 1.0)[:, None, :]).clamp_(-MAX_MAGNITUDE, MAX_MAGNITUDE)
+    z.masked_fill_((sig == 0)[:, None, :], 0.0)
     bounds = _on("bounds", _bound_table, dev)[bits]  # [K, d, 255]
     flat = z.transpose(1, 2).contiguous()
     codes = torch.searchsorted(bounds, flat, right=True, out_int32=True)  # [K, d, n]
+    del flat, bounds
     packed, base, per_vector = _pack(codes.transpose(1, 2), bits, n)
     # Its own copy, as PackedRun.of makes one: each run counts the bytes it holds.
     gains = _on(f"gains {params.metric}", lambda: _width_gains(params.metric), dev).clone()
@@ -207,11 +208,12 @@ def _pack(
         + (bits.cumsum(dim=1) - bits).to(at)[:, None, :]
     )
     # A code spans at most two bytes; its bits are nobody else's, so adding them is OR-ing.
-    word = codes.to(torch.int32) << (start & 7).to(torch.int32)
-    byte = (start >> 3).flatten()
+    # (codes: int32, the caller's to overwrite.)
+    word = codes.bitwise_left_shift_((start & 7).to(torch.int32)).reshape(-1)
+    byte = start.bitwise_right_shift_(3).reshape(-1)
     out = torch.zeros(total + 1, dtype=torch.int32, device=codes.device)
-    out.index_add_(0, byte, (word & 0xFF).flatten())
-    out.index_add_(0, byte + 1, (word >> 8).flatten())
+    out.index_add_(0, byte, word & 0xFF)
+    out.index_add_(0, byte.add_(1), word.bitwise_right_shift_(8))
     return out[:total].to(torch.uint8), base, per_vector
 
 

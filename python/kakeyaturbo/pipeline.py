@@ -263,17 +263,19 @@ class Pipeline:
         layers = [layer for _, layer, _, _ in spans]
         n = len(spans)
         stack = lambda ts: ts[0][None] if n == 1 else torch.stack(ts)  # noqa: E731
-        x = stack([s[0] for s in spans]).detach().float()
-        b, h, t, _ = x.shape[1:]
+        b, h, t, _ = spans[0][0].shape
         positions = None
         if spans[0][2] is not None:
-            positions = stack([s[2] for s in spans]).to(x.device)
+            positions = stack([s[2] for s in spans]).to(spans[0][0].device)
         masks = [m for _, _, _, m in spans]
         sinks = None
         if any(m is not None and bool(m.any()) for m in masks):
             none = torch.zeros(b, t, dtype=torch.bool)
             sinks = stack([none if m is None else m.cpu().bool() for m in masks])
-        y, norms = self._prepared(x, layers, stream, positions, sinks)
+        # (Their stack held by no name here: each step's input is freed once it is used.)
+        y, norms = self._prepared(
+            stack([s[0] for s in spans]).detach().float(), layers, stream, positions, sinks
+        )
         per = b * y.shape[2] * count  # each layer's stream-blocks: stream-major, as DeviceBlocks
         params = [self.recipe.params(layer, stream) for layer in layers]
         try:
@@ -282,6 +284,7 @@ class Pipeline:
             )
         except ValueError as exc:
             raise ValueError(f"layers {layers} {stream}: {exc}") from None
+        del y
         runs = run.split([per] * n)
         held = [DeviceBlocks([(r, count)], per // count, None, t) for r in runs]
         if norms is not None:

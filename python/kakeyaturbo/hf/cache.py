@@ -33,7 +33,15 @@ from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .attention import ACTIVE_STEP
 from .attention import NAME as ATTENTION_NAME
 from .budget import DecodedBudget
-from .layer import CacheContext, KakeyaLayer, StepInputs, _report, _storage_bytes, flush_together
+from .layer import (
+    DEFERRED_FLUSH_BYTES,
+    CacheContext,
+    KakeyaLayer,
+    StepInputs,
+    _report,
+    _storage_bytes,
+    flush_together,
+)
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
 from .rope import ModelRope, rotary_spec_from_config
 
@@ -136,6 +144,14 @@ class KakeyaCache(Cache):
             codec runs on torch's threads and this does nothing). The same bits either way;
             about 3 MB per 4k tokens of each such layer live meanwhile, freed by that layer's
             attention.
+        flush_together_bytes: where the layers hold their blocks on the model's device (a
+            GPU), their flushes in a forward wait for its end and are coded together, in one
+            set of ops (``hf/layer.py``, ``flush_together``), until the exact tokens waiting
+            (with the forward's values) pass this many bytes (default 8 MiB). On a GPU each
+            small op is a launch the host queues, and a prompt's flush one layer at a time
+            is about 320 of them per layer (SmolLM2, ``docs/speed.md``, 36th session); coding
+            layers together keeps their spans and the coding's temporaries, several times
+            this, alive at once. 0: each layer flushes in its own update.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
@@ -159,6 +175,7 @@ class KakeyaCache(Cache):
         int8_hot_values: bool = True,
         attention_precision: str = "int16",
         prepare_keys_ahead: bool = True,
+        flush_together_bytes: int = DEFERRED_FLUSH_BYTES,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
@@ -178,6 +195,7 @@ class KakeyaCache(Cache):
             int8_hot_values=_flag("int8_hot_values", int8_hot_values),
             attention_precision=_attention_precision(attention_precision),
             prepare_keys_ahead=_flag("prepare_keys_ahead", prepare_keys_ahead),
+            flush_together_bytes=_non_negative_int("flush_together_bytes", flush_together_bytes),
         )
         cfg = text_config(config)
         layers = [

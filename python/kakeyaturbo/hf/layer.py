@@ -55,10 +55,9 @@ from .budget import DecodedBudget
 from .coded_attention import CodedView, LayerBlocks, reads_on_device
 from .rope import RotarySpec
 
-#: Exact tokens (and their forwards' values) that flushes waiting for a forward's end may keep
-#: before they are coded (the layers waiting so far, together): what deferring adds to a
-#: prompt's peak memory on the device, about four times this with the coding's temporaries.
-DEFERRED_FLUSH_BYTES = 64 << 20
+#: ``KakeyaCache``'s default ``flush_together_bytes``: exact tokens (and their forwards'
+#: values) that flushes waiting for a forward's end may keep before they are coded together.
+DEFERRED_FLUSH_BYTES = 8 << 20
 
 
 @dataclass
@@ -101,6 +100,8 @@ class CacheContext:
     attention_precision: str = "int16"
     # Make the next layer's keys on the codec's idle worker during a decode step.
     prepare_keys_ahead: bool = True
+    # Device-held layers' flushes wait for the forward's end up to this many bytes waiting.
+    flush_together_bytes: int = DEFERRED_FLUSH_BYTES
     # The compressed layer the model runs after each (weak references), by layer index.
     following: dict = field(default_factory=dict)
 
@@ -578,8 +579,8 @@ class KakeyaLayer(CacheLayerMixin):
         """Encode every whole block of hot tokens older than the residual window (``new_v``: the
         values of the forward that just appended its tokens). A layer holding its blocks on its
         device, in a forward the cache's model hook sees, waits for the forward's end and is
-        flushed there with the other layers (:func:`flush_together`), up to
-        :data:`DEFERRED_FLUSH_BYTES` of exact tokens waiting."""
+        flushed there with the other layers (:func:`flush_together`), up to the cache's
+        ``flush_together_bytes`` of exact tokens waiting."""
         n = self._whole_blocks()
         if n == 0:
             return
@@ -595,7 +596,7 @@ class KakeyaLayer(CacheLayerMixin):
             return
         step.flushes.append((self, new_v))
         waiting = sum(layer._flush_bytes(v) for layer, v in step.flushes)
-        if waiting > DEFERRED_FLUSH_BYTES:
+        if waiting > self._ctx.flush_together_bytes:
             flushes, step.flushes = step.flushes, []
             flush_together(flushes)
 
