@@ -330,10 +330,11 @@ class Pipeline:
 
     def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
         """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""
+        t = self._transforms
+        assert t is not None  # a recipe across heads needs a bundle (checked when built)
         if len(layers) == 1:
-            m = self._joint(layers[0], stream)
-            return self._transforms.on(m, (layers[0], stream, "joint"), device)[None]  # type: ignore[union-attr]
-        return self._transforms.stacked(layers, stream, "joint", device)  # type: ignore[union-attr]
+            return t.on(self._joint(layers[0], stream), (layers[0], stream, "joint"), device)[None]
+        return t.stacked(layers, stream, "joint", device)
 
     def _store_scales(self, blocks: list[CodedBlock], layer: int, stream: str, norms) -> None:
         """Replace the blocks' token norms ``[B, H, T]`` by each head's scale
