@@ -194,6 +194,9 @@ class KakeyaLayer(CacheLayerMixin):
         self._on_device: dict[str, device_decode.DeviceBlocks] | None = None
         self._held: LayerBlocks | None = None  # the blocks as attention reads them (lazy)
         self._sink_idx: Any = None  # [B, S] long: cache slot of each row's s-th sink token
+        # The same on the host (the same tensor on the CPU): which slots are sinks is asked in
+        # every layer of a prompt, and on a GPU each question would wait for the device.
+        self._sink_slots: Any = None
         self._sink_end = 0  # past the last sink slot (rows selected later may end sooner)
         self._sink_k: Any = None  # [B, S, H, D] exact sink keys/values
         self._sink_v: Any = None
@@ -436,6 +439,8 @@ class KakeyaLayer(CacheLayerMixin):
             _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
         )
         aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
+        if self._sink_slots is not self._sink_idx:  # the host's copy (a model off the CPU)
+            aux += _storage_bytes(self._sink_slots)
         # A flush's blocks hold views of one tensor of their positions: each storage once.
         held_pos = {
             b.pos.untyped_storage().data_ptr(): b.pos for b in self._blocks if b.pos is not None
@@ -499,20 +504,26 @@ class KakeyaLayer(CacheLayerMixin):
                 real = new[r].nonzero().flatten()[:s]
                 pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
                 idx[r] = start + torch.cat([real, pad_after])
-        self._sink_idx = idx.to(self.device)
+        self._set_sink_slots(idx)
         self._sink_end = int(idx.max()) + 1
         self._held = None
         h = self._heads
         self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
         self._sink_v = self._hot_k.new_zeros((b, s, h, self._v_dim))
 
+    def _set_sink_slots(self, idx: torch.Tensor) -> None:
+        """``idx`` (host, ``[B, S]`` long) as the sinks' slots, on the host and the device."""
+        self._sink_slots = idx
+        self._sink_idx = idx.to(self.device)
+
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if start >= self._sink_end:  # every sink slot is written (a decode step's case)
             return
-        sel = (self._sink_idx >= start) & (self._sink_idx < start + k.shape[-2])
+        at = self._sink_slots
+        sel = (at >= start) & (at < start + k.shape[-2])
         if bool(sel.any()):
             rows, slots = sel.nonzero(as_tuple=True)
-            t = self._sink_idx[rows, slots] - start
+            t = at[rows, slots] - start
             self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
             self._sink_v[rows, slots] = v[rows, :, t].to(self._sink_v.dtype)
 
@@ -521,12 +532,13 @@ class KakeyaLayer(CacheLayerMixin):
     ) -> None:
         """Write the exact sinks at cache slots in [lo, hi) into ``k``/``v`` (in place), whose
         index 0 is cache slot ``base``."""
-        if self._sink_idx is None or hi <= lo:
+        if self._sink_slots is None or hi <= lo:
             return
-        sel = (self._sink_idx >= lo) & (self._sink_idx < hi)
+        at = self._sink_slots
+        sel = (at >= lo) & (at < hi)
         if bool(sel.any()):
             rows, slots = sel.nonzero(as_tuple=True)
-            t = self._sink_idx[rows, slots] - base
+            t = at[rows, slots] - base
             k[rows, :, t] = self._sink_k[rows, slots].to(k.dtype)
             v[rows, :, t] = self._sink_v[rows, slots].to(v.dtype)
 
@@ -558,21 +570,22 @@ class KakeyaLayer(CacheLayerMixin):
     def _sinks_in_blocks(self) -> torch.Tensor | None:
         """[B, S] bool: which sinks sit in a compressed block (their coded slot holds the block
         mean; attention over the codes reads them exact instead), or None."""
-        if self._sink_idx is None:
+        if self._sink_slots is None:
             return None
-        inside = self._sink_idx < self.compressed_length
-        return inside if bool(inside.any()) else None
+        inside = self._sink_slots < self.compressed_length
+        return inside.to(self.device) if bool(inside.any()) else None
 
     def _sink_mask(self, start: int, t: int) -> torch.Tensor | None:
         """[B, t] bool: which of cache slots start..start+t are sinks (held exact)."""
-        if self._sink_idx is None:
+        if self._sink_slots is None:
             return None
-        sel = (self._sink_idx >= start) & (self._sink_idx < start + t)
+        at = self._sink_slots
+        sel = (at >= start) & (at < start + t)
         if not bool(sel.any()):
             return None
         mask = torch.zeros((self._rows, t), dtype=torch.bool)
         rows, slots = sel.nonzero(as_tuple=True)
-        mask[rows.cpu(), (self._sink_idx[rows, slots] - start).cpu()] = True
+        mask[rows, at[rows, slots] - start] = True
         return mask
 
     def _flush(self, new_v: torch.Tensor) -> None:
@@ -816,7 +829,7 @@ class KakeyaLayer(CacheLayerMixin):
             None if pos is None else pos.index_select(0, rows_dev),
         )
         if self._sink_idx is not None:
-            self._sink_idx = self._sink_idx.index_select(0, rows_dev)
+            self._set_sink_slots(self._sink_slots.index_select(0, rows.cpu()))
             self._sink_k = self._sink_k.index_select(0, rows_dev)
             self._sink_v = self._sink_v.index_select(0, rows_dev)
         if self._on_device is not None:
