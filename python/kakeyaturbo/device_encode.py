@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import _core, fused_decode
-from .device_decode import _PAD, _SKELETON, MAX_WIDTH, PackedRun, _on, reads
+from .device_decode import _LEVELS, _PAD, _SKELETON, MAX_WIDTH, PackedRun, _on, reads
 
 __all__ = ["encode_run"]
 
@@ -44,7 +44,7 @@ def _bound_table() -> torch.Tensor:
     codebook's levels, padded with +inf (row 0 all +inf: a width-0 component's code is 0)."""
     table = torch.full((MAX_WIDTH + 1, (1 << MAX_WIDTH) - 1), float("inf"))
     for b in range(1, MAX_WIDTH + 1):
-        levels = torch.tensor(_core.gaussian_codebook(b))
+        levels = _LEVELS[b, : 1 << b]  # the decoder's codebooks
         table[b, : (1 << b) - 1] = 0.5 * (levels[:-1] + levels[1:])  # float32, as the codec
     return table
 
@@ -92,7 +92,8 @@ def encode_run(y: torch.Tensor, params: Any) -> PackedRun:
         if len(streams) != k:
             raise ValueError(f"{len(streams)} CodecParams for {k} streams")
         same = first.replace(bits_per_value=1.0)
-        if any(p.replace(bits_per_value=1.0) != same for p in streams[1:]):
+        distinct = {id(p): p for p in streams}.values()  # a layer's streams share its params
+        if any(p.replace(bits_per_value=1.0) != same for p in distinct):
             raise ValueError("the streams' CodecParams differ in more than bits_per_value")
     _check_range(y)
     # Each stream's bits per vector, as the codec rounds them (halves away from zero).

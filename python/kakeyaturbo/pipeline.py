@@ -106,6 +106,14 @@ class BlockRun:
     blocks: tuple = ()  # the CodedBlocks laid out
 
 
+def _fits_frame(x: torch.Tensor) -> bool:
+    """Whether ``x`` [B, H, T, D] gets a self-fitted frame: a frame is D x D per head, and on
+    fewer than MIN_FRAME_TOKENS_PER_DIM * D tokens it costs more than it saves (the sequence is
+    coded in the identity frame)."""
+    b, _, t, d = x.shape
+    return b * t >= MIN_FRAME_TOKENS_PER_DIM * d
+
+
 def _fit_frame(x: torch.Tensor) -> torch.Tensor:
     """Per-head PCA frames ``[H, D, D]`` float16 (columns by descending variance) of ``x``
     [B, H, T, D]: held as float16, used as float32."""
@@ -253,8 +261,7 @@ class Pipeline:
         identity = False  # the self-fitted frame is none (a short sequence's)
         if self._transforms is None:
             frame = self._frames.get((layer, stream))
-            b, _, t, d = x.shape
-            identity = b * t < MIN_FRAME_TOKENS_PER_DIM * d if frame is None else not frame.numel()
+            identity = not _fits_frame(x) if frame is None else not frame.numel()
         params = self.recipe.params(layer, stream).replace(bits_per_value=1.0)
         return (tuple(x.shape), x.dtype, str(x.device), rope, identity, repr(params.to_dict()))
 
@@ -336,6 +343,15 @@ class Pipeline:
             return t.on(self._joint(layers[0], stream), (layers[0], stream, "joint"), device)[None]
         return t.stacked(layers, stream, "joint", device)
 
+    def _heads(self, coded, layers: list[int], stream: str, heads: int) -> torch.Tensor:
+        """Blocks coded across heads, their decoded codes ``coded`` ``[L, B, T, H*D]`` (of
+        ``layers``) -> each head's coding-frame coordinates ``[L, B, H, T, D]``."""
+        n, b, t, _ = coded.shape
+        inverse = self._joints(layers, stream, coded.device).transpose(-1, -2)
+        # One layer by one matrix product, as a decode of its blocks always was.
+        y = coded[0] @ inverse[0] if n == 1 else coded @ inverse[:, None]
+        return y.view(n, b, t, heads, -1).permute(0, 1, 3, 2, 4)
+
     def _store_scales(self, blocks: list[CodedBlock], layer: int, stream: str, norms) -> None:
         """Replace the blocks' token norms ``[B, H, T]`` by each head's scale
         (:meth:`_head_scales`)."""
@@ -351,9 +367,7 @@ class Pipeline:
         (their decoded codes ``coded`` ``[L, B, T, H*D]``; the tokens' norms ``norms``
         ``[L, B, H, T]``): its norm over the norm of its decoded unit vector (the decoder
         multiplies by it and divides by nothing)."""
-        n, b, h, t = norms.shape
-        inverse = self._joints(layers, stream, coded.device)[:, None].transpose(-1, -2)
-        heads = (coded @ inverse).view(n, b, t, h, -1).permute(0, 1, 3, 2, 4)
+        heads = self._heads(coded, layers, stream, norms.shape[2])
         scale = norms.float() / heads.norm(dim=-1).clamp_min(1e-3)
         return scale.clamp_max(torch.finfo(torch.float16).max).half()
 
@@ -407,13 +421,8 @@ class Pipeline:
     ) -> torch.Tensor:
         """Blocks coded across heads -> each head's coding-frame coordinates ``[rows, H, T, D]``
         (times its stored scale, for streams with token norms)."""
-        y = _coded(blocks, rows)[:, 0]
-        joint = self._transforms.on(  # type: ignore[union-attr]
-            self._joint(layer, stream), (layer, stream, "joint"), y.device
-        )
-        y = y @ joint.T  # [rows, T, H*D]
         heads = self._transforms.matrix(layer, stream, "inv").shape[0]  # type: ignore[union-attr]
-        y = y.reshape(rows, y.shape[1], heads, -1).permute(0, 2, 1, 3)
+        y = self._heads(_coded(blocks, rows)[:, 0][None], [layer], stream, heads)[0]
         if self.recipe.token_norms(stream):
             y = y * _coded_norms(blocks)[..., None]  # as the device decoder scales them
         return y
@@ -717,25 +726,17 @@ class Pipeline:
         if len(layers) == 1:
             return self._into_frame(x[0], layers[0], stream)[None]
         if self._transforms is not None:
-            m = self._transforms.stacked(layers, stream, "fwd", x.device)
-            if m.shape[1] != x.shape[2]:
-                raise ValueError(f"{x.shape[2]} KV heads, calibration has {m.shape[1]}")
-        else:
-            frames = [self._frame_for(x[i], layer, stream) for i, layer in enumerate(layers)]
-            if not frames[0].numel():  # the identity frame (alike layers share its kind)
-                return x
-            m = torch.stack(frames).float().to(x.device)
-        return torch.einsum("lbhtd,lhde->lbhte", x, m)
+            return self._transforms.forward_layers(x, layers, stream)
+        frames = [self._frame_for(x[i], layer, stream) for i, layer in enumerate(layers)]
+        if not frames[0].numel():  # the identity frame (alike layers share its kind)
+            return x
+        return torch.einsum("lbhtd,lhde->lbhte", x, torch.stack(frames).float().to(x.device))
 
     def _frame_for(self, x, layer, stream) -> torch.Tensor:
         """``layer``'s self-fitted frame, fitted on ``x`` ``[B, H, T, D]`` if it has none."""
         frame = self._frames.get((layer, stream))
         if frame is None:
-            b, _, t, d = x.shape
-            # A frame is D x D per head: on fewer than MIN_FRAME_TOKENS_PER_DIM * D tokens it
-            # costs more than it saves, and the sequence is coded in the identity frame.
-            fit = b * t >= MIN_FRAME_TOKENS_PER_DIM * d
-            frame = self._frames[(layer, stream)] = _fit_frame(x) if fit else _IDENTITY
+            frame = self._frames[(layer, stream)] = _fit_frame(x) if _fits_frame(x) else _IDENTITY
         return frame
 
     def _from_frame(self, y, layer, stream, positions):

@@ -90,17 +90,28 @@ class KVTransforms:
         if x.dim() != 4:
             raise ValueError(f"expected [batch, kv_heads, tokens, head_dim], got {tuple(x.shape)}")
         m = self.on(self.matrix(layer, stream, way), (layer, stream, way), x.device)
-        if m.shape[0] != x.shape[1]:
-            raise ValueError(f"{x.shape[1]} KV heads, calibration has {m.shape[0]}")
+        _check_heads(x.shape[1], m.shape[0])
         return torch.einsum("bhtd,hde->bhte", x.float(), m)
 
     def forward(self, x: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
         """Into the coding frame (keys must be pre-RoPE)."""
         return self._apply(x, layer, stream, "fwd")
 
+    def forward_layers(self, x: torch.Tensor, layers, stream: str) -> torch.Tensor:
+        """:meth:`forward` of ``x`` ``[L, B, H, T, D]``, the spans of ``layers``, by one
+        product (each layer's the same as :meth:`forward` gives)."""
+        m = self.stacked(layers, stream, "fwd", x.device)
+        _check_heads(x.shape[2], m.shape[1])
+        return torch.einsum("lbhtd,lhde->lbhte", x.float(), m)
+
     def inverse(self, y: torch.Tensor, layer: int, stream: str) -> torch.Tensor:
         """Back from the coding frame."""
         return self._apply(y, layer, stream, "inv")
+
+
+def _check_heads(heads: int, calibrated: int) -> None:
+    if heads != calibrated:
+        raise ValueError(f"{heads} KV heads, calibration has {calibrated}")
 
 
 def _value_inverse(t: dict[str, np.ndarray]) -> np.ndarray:
