@@ -162,6 +162,37 @@ def test_device_encoder_on_the_gpu_codes_the_codecs_blocks(bits):
     assert torch.equal(got.decode(), want.decode())
 
 
+@pytest.mark.parametrize("skeleton", ["fp16", "bf16"])
+def test_the_triton_encoder_compiles_and_codes_the_codecs_blocks(skeleton):
+    """The fused encoder (``fused_encode.py``) compiled for this GPU: the codec's blocks byte
+    for byte (a joint width of 192, past one program's 128 components; a rate with 8-bit
+    components; outliers), and taken by ``encode_run`` after its check."""
+    from kakeyaturbo import fused_encode
+    from kakeyaturbo.device_decode import PackedRun
+    from kakeyaturbo.device_encode import encode_run, encode_runs_with_kernels
+    from kakeyaturbo.recipes import default_recipe
+
+    if fused_encode.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 300, 192, generator=g) * torch.logspace(-2, 1.3, 192)
+    x[0, 7, 5] = 900.0
+    x[:, :, 2] = x[:, :, 1]  # equal gains: the allocation's ties
+    for bits in (0.4, 2.6, 7.5):
+        params = default_recipe().k.replace(
+            block_size=300, bits_per_value=bits, skeleton_dtype=skeleton
+        )
+        want = PackedRun.of(kt.encode_batch(x, params), torch.device("cuda"))
+        got = encode_runs_with_kernels(x.cuda(), params)[0]
+        assert got.outlier_pos.numel() > 0 and fused_encode.same_run(got, want), bits
+    assert fused_encode.same_run(encode_run(x.cuda(), params), want)
+    assert fused_encode.KERNEL.standing() == {"cuda:0": "used"}
+    x[3, 9, 100] = float("nan")  # refused as the codec refuses it, the kernels still in use
+    with pytest.raises(ValueError, match="non-finite value at vector 9, dim 100"):
+        encode_run(x.cuda(), params)
+    assert fused_encode.KERNEL.standing() == {"cuda:0": "used"}
+
+
 @pytest.mark.parametrize("stream", ["k", "v"])
 def test_the_triton_decoder_compiles_and_gives_the_torch_decoders_bits(stream):
     """The fused decoder (``fused_decode.py``) compiled for this GPU: the torch decoder's

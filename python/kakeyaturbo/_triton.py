@@ -41,12 +41,22 @@ class CheckedKernel:
         """Whether the kernel runs on ``device``: a CUDA device, with Triton, not turned off
         by ``KAKEYATURBO_TRITON=0``, and ``check()`` passed there (run once per device: it
         waits for the device)."""
-        if triton is None or device.type != "cuda" or os.environ.get("KAKEYATURBO_TRITON") == "0":
+        if not self.runs_on(device):
             return False
         key = str(device)
         if key not in self._checked:
             self._checked[key] = self.agrees(device, check)
         return self._checked[key]
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        """Whether kernels may run on ``device`` at all: CUDA, Triton, not turned off."""
+        off = os.environ.get("KAKEYATURBO_TRITON") == "0"
+        return triton is not None and device.type == "cuda" and not off
+
+    def pending(self, device: torch.device) -> bool:
+        """Whether the next :meth:`usable` on ``device`` runs the check."""
+        return self.runs_on(device) and str(device) not in self._checked
 
     def agrees(self, device: torch.device, check: Callable[[], bool]) -> bool:
         """``check()``, with a failure to run counted as disagreement and either said."""

@@ -18,18 +18,22 @@ after vector. So on any device that rounds as IEEE does, the run equals ``Packed
 the codec's own blocks, byte for byte, but for the order float64 sums are added in (which
 could move a float16 rounding, very rarely: never in tests/test_device_encode.py, which checks
 equality, nor in a fuzz of 200 seeds).
+
+On a GPU with Triton, ``fused_encode.py`` codes the same bytes in four kernel launches where
+these torch ops are about 85 (its first span on each device checked against them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import _core, fused_decode
+from . import _core, fused_decode, fused_encode
 from .device_decode import _LEVELS, _PAD, _SKELETON, MAX_WIDTH, PackedRun, _on, reads
 
-__all__ = ["encode_run"]
+__all__ = ["encode_run", "encode_runs", "encode_runs_with_kernels"]
 
 #: The codec's bound on input magnitudes and on a component's scale (``MAX_MAGNITUDE``).
 MAX_MAGNITUDE = 60_000.0
@@ -71,7 +75,50 @@ def encode_run(y: torch.Tensor, params: Any) -> PackedRun:
     """Code ``y`` ``[K, n, d]`` float32 (``K`` streams of ``n`` vectors, each one block) on
     ``y``'s device with ``params``: one ``kakeyaturbo.CodecParams`` (water-filled without a
     basis) for every stream, or a sequence of ``K``, one per stream, that differ in
-    ``bits_per_value`` only (several layers' streams coded at once, each at its layer's rate)."""
+    ``bits_per_value`` only (several layers' streams coded at once, each at its layer's rate).
+    On a GPU with Triton by its kernels (``fused_encode.py``), else by torch ops."""
+    return encode_runs(y, params)[0]
+
+
+def encode_runs(
+    y: torch.Tensor, params: Any, parts: Sequence[int] | None = None
+) -> list[PackedRun]:
+    """:func:`encode_run`, its stream-blocks in consecutive parts of ``parts`` stream-blocks
+    (several layers' spans coded at once, a run per layer), each laid out as
+    :meth:`PackedRun.split` lays out its parts. The kernels write the parts so (their tensors
+    views of the call's); the torch ops split their run."""
+    budgets, first = _checked(y, params)
+    parts = _parts(parts, y.shape[0])
+    with_torch = lambda: _encode_with_torch(y, budgets, first).split(parts)  # noqa: E731
+    with_kernels = lambda: _encode_with_kernels(y, budgets, first, parts)  # noqa: E731
+    if fused_encode.usable(y, with_torch, with_kernels, _check_range):
+        return with_kernels()
+    return with_torch()
+
+
+def encode_runs_with_kernels(
+    y: torch.Tensor, params: Any, parts: Sequence[int] | None = None
+) -> list[PackedRun]:
+    """:func:`encode_runs` by the Triton kernels wherever ``y`` is (on the CPU only in
+    Triton's interpreter): for tests and benches."""
+    budgets, first = _checked(y, params)
+    return _encode_with_kernels(y, budgets, first, _parts(parts, y.shape[0]))
+
+
+def _parts(parts: Sequence[int] | None, k: int) -> list[int]:
+    """``parts`` checked to cover the ``k`` stream-blocks (None: one part of them all)."""
+    if parts is None:
+        return [k]
+    parts = [int(c) for c in parts]
+    if not parts or sum(parts) != k or min(parts) <= 0:
+        raise ValueError(f"parts of {parts} stream-blocks for {k}")
+    return parts
+
+
+def _checked(y: torch.Tensor, params: Any) -> tuple[list[int], Any]:
+    """``y``'s shape and ``params`` checked as the codec checks them -> (each stream's bits
+    per vector, the first stream's params). (Its values are checked where they are coded:
+    by the torch encoder's one wait, by the kernels as they read them.)"""
     per_stream = not hasattr(params, "bits_per_value")
     streams = list(params) if per_stream else [params]
     first = streams[0]
@@ -87,7 +134,6 @@ def encode_run(y: torch.Tensor, params: Any) -> PackedRun:
     k, n, d = y.shape
     if k == 0 or n == 0 or d == 0 or d > MAX_DIM:
         raise ValueError(f"y: {k} streams of {n} vectors of length {d} (length 1..{MAX_DIM})")
-    rates = [p.bits_per_value for p in streams]
     if per_stream:
         if len(streams) != k:
             raise ValueError(f"{len(streams)} CodecParams for {k} streams")
@@ -95,17 +141,37 @@ def encode_run(y: torch.Tensor, params: Any) -> PackedRun:
         distinct = {id(p): p for p in streams}.values()  # a layer's streams share its params
         if any(p.replace(bits_per_value=1.0) != same for p in distinct):
             raise ValueError("the streams' CodecParams differ in more than bits_per_value")
-    _check_range(y)
     # Each stream's bits per vector, as the codec rounds them (halves away from zero).
-    budgets = {r: _round_half_away(float(r) * d) for r in set(rates)}
-    budget = torch.tensor([budgets[r] for r in rates], device=y.device).expand(k)
+    rounded: dict[int, int] = {}  # by params: a layer's streams share its params
+    for p in streams:
+        rounded.setdefault(id(p), _round_half_away(float(p.bits_per_value) * d))
+    return [rounded[id(p)] for p in (streams if per_stream else [first] * k)], first
+
+
+def _encode_with_kernels(
+    y: torch.Tensor, budgets: list[int], params: Any, parts: list[int]
+) -> list[PackedRun]:
+    dev = y.device
+    tables = {
+        "drops": _on("drops", _gain_drops, dev),
+        "bounds": _on("bounds", _bound_table, dev),
+        "gains": _on(f"gains {params.metric}", lambda: _width_gains(params.metric), dev),
+    }
+    y = y.contiguous()
+    return fused_encode.encode(y, budgets, params, tables, _check_range, parts)
+
+
+def _encode_with_torch(y: torch.Tensor, budgets: list[int], params: Any) -> PackedRun:
+    _check_range(y)
+    budget = torch.tensor(budgets, device=y.device)
+    k, n, d = y.shape
     # A long span is coded a bounded number of stream-blocks at a time: the steps below hold
     # a few dozen bytes per value at once.
     per = max(1, CHUNK_VALUES // (n * d))
     if k > per:
         parts = range(0, k, per)
-        return PackedRun.cat([_encode(y[i : i + per], budget[i : i + per], first) for i in parts])
-    return _encode(y, budget, first)
+        return PackedRun.cat([_encode(y[i : i + per], budget[i : i + per], params) for i in parts])
+    return _encode(y, budget, params)
 
 
 def _encode(y: torch.Tensor, budget: torch.Tensor, params: Any) -> PackedRun:

@@ -286,17 +286,19 @@ class Pipeline:
         per = b * y.shape[2] * count  # each layer's stream-blocks: stream-major, as DeviceBlocks
         params = [self.recipe.params(layer, stream) for layer in layers]
         try:
-            run = device_encode.encode_run(
-                y.reshape(n * per, bs, y.shape[-1]), [p for p in params for _ in range(per)]
+            runs = device_encode.encode_runs(
+                y.reshape(n * per, bs, y.shape[-1]),
+                [p for p in params for _ in range(per)],
+                [per] * n,
             )
         except ValueError as exc:
             raise ValueError(f"layers {layers} {stream}: {exc}") from None
         del y
-        runs = run.split([per] * n)
         held = [DeviceBlocks([(r, count)], per // count, None, t) for r in runs]
         if norms is not None:
             if self.recipe.joint(stream):
-                norms = self._head_scales(run.decode().view(n, b, t, -1), layers, stream, norms)
+                coded = torch.cat([r.decode() for r in runs]) if n > 1 else runs[0].decode()
+                norms = self._head_scales(coded.view(n, b, t, -1), layers, stream, norms)
             stacked = StackedNorms.encoded(norms.reshape(n * b, h, t), bs)
             for i, one in enumerate(stacked.split([b] * n)):
                 held[i].norms = one
