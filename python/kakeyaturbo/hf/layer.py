@@ -42,6 +42,7 @@ that forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,9 +75,10 @@ class StepInputs:
     # What every layer's attention over the codes would compute alike (RoPE angles of the
     # coded positions, the mask's bias): computed once per forward.
     shared: list = field(default_factory=list)
-    # The arriving tokens' RoPE positions, as the last layer made them: ((tokens, first slot,
-    # rows), positions); every layer of a forward asks for the same ones.
-    positions: tuple | None = None
+    # What every layer of a forward computes alike from equal arguments (the arriving tokens'
+    # RoPE positions, the sinks' places in a span): per kind, (arguments, value) as the last
+    # layer to ask made it (`once`).
+    alike: dict = field(default_factory=dict)
     # Keys made ahead for a layer's attention (CodedView.prepare_next), by layer index:
     # (the LayerBlocks they were made from, the codec's PreparedKeys).
     prepared: dict = field(default_factory=dict)
@@ -84,6 +86,14 @@ class StepInputs:
     # `flushes` (layers, with their forward's values, waiting to flush) at the forward's end.
     hooked: bool = False
     flushes: list = field(default_factory=list)
+
+    def once(self, kind: str, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, made once for the layers asking ``kind`` with an equal ``key`` in turn
+        (the value is shared: never written to)."""
+        hit = self.alike.get(kind)
+        if hit is None or hit[0] != key:
+            hit = self.alike[kind] = (key, make())
+        return hit[1]
 
 
 @dataclass
@@ -519,11 +529,9 @@ class KakeyaLayer(CacheLayerMixin):
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if start >= self._sink_end:  # every sink slot is written (a decode step's case)
             return
-        at = self._sink_slots
-        sel = (at >= start) & (at < start + k.shape[-2])
-        if bool(sel.any()):
-            rows, slots = sel.nonzero(as_tuple=True)
-            t = at[rows, slots] - start
+        places = self._sink_places(start, start + k.shape[-2], start)
+        if places is not None:
+            rows, slots, t = places
             self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
             self._sink_v[rows, slots] = v[rows, :, t].to(self._sink_v.dtype)
 
@@ -534,22 +542,34 @@ class KakeyaLayer(CacheLayerMixin):
         index 0 is cache slot ``base``."""
         if self._sink_slots is None or hi <= lo:
             return
-        at = self._sink_slots
-        sel = (at >= lo) & (at < hi)
-        if bool(sel.any()):
-            rows, slots = sel.nonzero(as_tuple=True)
-            t = at[rows, slots] - base
+        places = self._sink_places(lo, hi, base)
+        if places is not None:
+            rows, slots, t = places
             k[rows, :, t] = self._sink_k[rows, slots].to(k.dtype)
             v[rows, :, t] = self._sink_v[rows, slots].to(v.dtype)
+
+    def _sink_places(self, lo: int, hi: int, base: int) -> tuple | None:
+        """The sinks at cache slots [lo, hi) as (rows, which sinks, slots - ``base``) on the
+        layer's device, or None. Asked alike by every layer of a forward (equal slots): made
+        once, from the host's copy of the slots."""
+        at = self._sink_slots
+        key = (lo, hi, base, str(self.device), tuple(at.shape), at.numpy().tobytes())
+
+        def make() -> tuple | None:
+            sel = (at >= lo) & (at < hi)
+            if not bool(sel.any()):
+                return None
+            rows, slots = sel.nonzero(as_tuple=True)
+            return tuple(i.to(self.device) for i in (rows, slots, at[rows, slots] - base))
+
+        return self._ctx.step.once("sink places", key, make)
 
     def _step_positions(self, q: int, start: int) -> torch.Tensor:
         """RoPE positions of the tokens arriving now: the forward's position_ids when the model
         hook saw them, else start..start+q (what the model itself uses without position_ids).
         Every layer of a forward asks for the same ones: made once (never written to)."""
-        step, key = self._ctx.step, (q, start, self._rows)
-        if step.positions is None or step.positions[0] != key:
-            step.positions = (key, self._new_positions(q, start))
-        return step.positions[1]
+        key = (q, start, self._rows, str(self.device))
+        return self._ctx.step.once("positions", key, lambda: self._new_positions(q, start))
 
     def _new_positions(self, q: int, start: int) -> torch.Tensor:
         pos = self._ctx.step.position_ids
@@ -580,13 +600,18 @@ class KakeyaLayer(CacheLayerMixin):
         if self._sink_slots is None:
             return None
         at = self._sink_slots
-        sel = (at >= start) & (at < start + t)
-        if not bool(sel.any()):
-            return None
-        mask = torch.zeros((self._rows, t), dtype=torch.bool)
-        rows, slots = sel.nonzero(as_tuple=True)
-        mask[rows, at[rows, slots] - start] = True
-        return mask
+
+        def make() -> torch.Tensor | None:
+            sel = (at >= start) & (at < start + t)
+            if not bool(sel.any()):
+                return None
+            mask = torch.zeros((self._rows, t), dtype=torch.bool)
+            rows, slots = sel.nonzero(as_tuple=True)
+            mask[rows, at[rows, slots] - start] = True
+            return mask
+
+        key = (start, t, self._rows, tuple(at.shape), at.numpy().tobytes())
+        return self._ctx.step.once("sink mask", key, make)
 
     def _flush(self, new_v: torch.Tensor) -> None:
         """Encode every whole block of hot tokens older than the residual window (``new_v``: the
@@ -641,7 +666,7 @@ class KakeyaLayer(CacheLayerMixin):
         t = n * bs
         self._held = None
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        placed = [(None, b"")] * n if pos is None else _block_positions(pos, n, bs)
+        placed = [(None, b"")] * n if pos is None else _block_positions(pos, n, bs, self._ctx.step)
         for j, (at, key) in enumerate(placed):
             blk = _Block(k=enc_k[j], v=enc_v[j], tokens=bs, pos=at, pos_key=key)
             self._blocks.append(blk)
@@ -852,25 +877,35 @@ class KakeyaLayer(CacheLayerMixin):
         self._rows = len(order)
 
 
-def _block_positions(pos: torch.Tensor, n: int, bs: int) -> list[tuple[Any, bytes]]:
+def _block_positions(pos: torch.Tensor, n: int, bs: int, step: StepInputs) -> list:
     """Each of ``n`` flushed blocks' stored positions (``_Block.pos``) and their bytes, from the
     flush's ``pos`` ``[B, n * bs]``: where every block's run on consecutively (the usual case),
     each row's first position of each block, all blocks' in one tensor (one op on the device)
-    that the blocks hold views of; else each block's own copy."""
+    that the blocks hold views of; else each block's own copy. The layers of a forward flush
+    equal positions: what the host reads of them is made once (``step``)."""
     host = pos.cpu()
+    key = (n, bs, tuple(host.shape), host.numpy().tobytes())
+    runs, keys = step.once("block positions", key, lambda: _position_keys(host, n, bs))
+    if all(runs):
+        firsts = pos[:, ::bs].clone()
+        return [(firsts[:, j : j + 1], keys[j]) for j in range(n)]
+    return [(pos[:, _stored(j, bs, run)].clone(), keys[j]) for j, run in enumerate(runs)]
+
+
+def _stored(j: int, bs: int, run: bool) -> slice:
+    """Block ``j``'s stored positions: its first where they run on consecutively, else all."""
+    return slice(j * bs, j * bs + 1) if run else slice(j * bs, (j + 1) * bs)
+
+
+def _position_keys(host: torch.Tensor, n: int, bs: int) -> tuple[list[bool], list[bytes]]:
+    """Whether each block's positions (``host`` ``[B, n * bs]``) run on consecutively, and the
+    bytes of what each block stores of them."""
     b = host.shape[0]
     starts = host[:, ::bs]
     steps = torch.arange(bs, dtype=host.dtype)
     runs = (host.view(b, n, bs) == starts[..., None] + steps).all(dim=2).all(dim=0).tolist()
-    firsts = pos[:, ::bs].clone() if all(runs) else None
-    out = []
-    for j, run in enumerate(runs):
-        if firsts is not None:
-            out.append((firsts[:, j : j + 1], starts[:, j : j + 1].numpy().tobytes()))
-            continue
-        span = slice(j * bs, j * bs + 1) if run else slice(j * bs, (j + 1) * bs)
-        out.append((pos[:, span].clone(), host[:, span].numpy().tobytes()))
-    return out
+    keys = [host[:, _stored(j, bs, run)].numpy().tobytes() for j, run in enumerate(runs)]
+    return runs, keys
 
 
 def flush_together(waiting: list[tuple[KakeyaLayer, torch.Tensor]]) -> None:
