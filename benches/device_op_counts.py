@@ -13,7 +13,10 @@ False``, as on a GPU), the hot window's int8 rows encoded as on a GPU (``encode_
 Triton encoder), and the Triton kernels in Triton's interpreter, made to run on the CPU. An
 op counts where it does work (views, empty tensors and casts to the same dtype do not); a
 Triton kernel counts one launch and the ops inside the interpreter none. No time is
-measured: the interpreter is slow. Results: reports/device_op_counts.txt.
+measured: the interpreter is slow. Beside the counts, the most bytes of tensors made during the
+step or prefill alive at once: each storage an op makes is tracked until its last tensor is
+gone, which is what a GPU's caching allocator would have to hold beyond what was there (but
+for its rounding), free of the CPU allocator's noise. Results: reports/device_op_counts.txt.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import re  # noqa: E402
 import traceback  # noqa: E402
+import weakref  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
@@ -36,6 +41,7 @@ from bench_args import add_model_and_text  # noqa: E402  (benches/, beside this 
 from kakeyaturbo import (  # noqa: E402
     fused_attention,
     fused_decode,
+    fused_encode,
     fused_int8_rows,
     fused_joint_attend,
 )
@@ -57,6 +63,10 @@ MAYBE_NOTHING = re.compile(r"aten\.(to|reshape|contiguous|type_as)\.")
 KERNELS = (
     (fused_decode, "_decode_kernel"),
     (fused_decode, "_norms_kernel"),
+    (fused_encode, "_plan_kernel"),
+    (fused_encode, "_codes_kernel"),
+    (fused_encode, "_totals_kernel"),
+    (fused_encode, "_outliers_kernel"),
     (fused_attention, "_key_logits_kernel"),
     (fused_int8_rows, "_encode_kernel"),
     (fused_joint_attend, "_partials_kernel"),
@@ -66,15 +76,20 @@ KERNELS = (
 
 class Counts(TorchDispatchMode):
     """Working torch ops by the innermost kakeyaturbo function on the stack ("model" else);
-    none while a Triton kernel runs (``quiet``)."""
+    none while a Triton kernel runs (``quiet``). And the most bytes of tensors made inside
+    alive at once (``peak``): what a GPU's caching allocator would have to hold beyond what
+    was there before (but for its rounding), free of the CPU allocator's noise."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sites: collections.Counter = collections.Counter()
         self.quiet = False
+        self.live: dict[int, list[int]] = {}  # storage address: [bytes, tensors holding it]
+        self.now = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._track(args, kwargs, out)
         name = str(func)
         if self.quiet or NO_WORK.match(name):
             return out
@@ -84,6 +99,37 @@ class Counts(TorchDispatchMode):
             return out
         self.sites[_site()] += 1
         return out
+
+    def _track(self, args, kwargs, out) -> None:
+        """Count the storages an op made (not its inputs': views, in-place ops), each until
+        the last tensor made here on it is gone."""
+        given = set()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                given.add(t.untyped_storage().data_ptr())
+            elif isinstance(t, (torch.UntypedStorage, torch.TypedStorage)):  # set_'s
+                given.add(t.data_ptr())
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            at = storage.data_ptr()
+            if at in self.live:
+                self.live[at][1] += 1
+            elif at in given or storage.nbytes() == 0:
+                continue
+            else:
+                self.live[at] = [storage.nbytes(), 1]
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            weakref.finalize(t, self._release, at)
+
+    def _release(self, at: int) -> None:
+        held = self.live[at]
+        held[1] -= 1
+        if held[1] == 0:
+            self.now -= held[0]
+            del self.live[at]
 
 
 def _site() -> str:
@@ -193,7 +239,8 @@ def main() -> None:
         print(
             f"\n{label}: {total} ops and launches per {what}, {counts.sites['model']} of them "
             f"the model's (transformers), {own + sum(launches.values())} the cache's "
-            f"(Triton launches: {dict(launches) or 'none'})"
+            f"(Triton launches: {dict(launches) or 'none'}); tensors made in it alive at once: "
+            f"{counts.peak / 2**20:.1f} MiB at most"
         )
         for site, n in counts.sites.most_common(args.top):
             print(f"  {n:6d}  {site}")

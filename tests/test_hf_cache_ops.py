@@ -424,3 +424,21 @@ def test_batch_change_without_select_is_refused(model, ids):
     step(model, cache, ids[:, :50])
     with pytest.raises(ValueError, match="batch_select_indices"):
         step(model, cache, torch.cat([ids[:, 50:51]] * 2))
+
+
+def test_what_layers_ask_alike_is_made_once_per_equal_arguments():
+    # Every layer of a forward asks which sinks a span holds, from its own copy of the slots:
+    # one answer while the arguments are equal, a new one as soon as they are not (another
+    # batch's slots), never a stale one.
+    from kakeyaturbo.hf.layer import StepInputs
+
+    step, made = StepInputs(), []
+
+    def ask(slots: torch.Tensor):
+        key = (0, 8, slots.numpy().tobytes())
+        return step.once("sink mask", key, lambda: made.append(slots.clone()) or len(made))
+
+    a, b = torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 4]])
+    assert [ask(a), ask(a.clone()), ask(b), ask(b), ask(a)] == [1, 1, 2, 2, 3]
+    assert step.once("positions", 1, lambda: "p") == "p"  # kinds apart
+    assert ask(a) == 3
