@@ -108,6 +108,74 @@ def test_the_kernels_code_the_codecs_blocks_byte_for_byte_in_the_interpreter():
     assert "spans checked 20" in run_interpreted(INTERPRETED, here)
 
 
+# kt-ref-a with a bundle coded across heads, a padded row and sinks, flushing its prompt's
+# layers together and then its decode steps' blocks: every layer holds the same runs coded by
+# the kernels as by the torch encoder, and the logits are the same bits.
+IN_A_MODEL = textwrap.dedent(
+    """
+    import sys, torch
+    from kakeyaturbo import fused_encode
+    from kakeyaturbo.calibration import Calibration
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
+    from kakeyaturbo.modeling import load_model
+    from kakeyaturbo.recipes import default_recipe
+
+    torch.set_num_threads(1)
+    coded_attention.CPU_KERNELS = False  # blocks coded and held where the model runs
+    model = load_model(sys.argv[1])[0]
+    bundle = Calibration.load(sys.argv[2], model)
+    recipe = default_recipe(bundle, block_size=64)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 330), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :21] = 0
+    calls = []
+    real = fused_encode.encode
+
+    def counted(*args):
+        calls.append(len(args[-1]))  # the layers coded in the call
+        return real(*args)
+
+    fused_encode.encode = counted
+
+    def run(kernels):
+        # The kernels' device check passed (or failed) as on a GPU.
+        fused_encode.KERNEL.usable = lambda device, check: kernels
+        kw = {"calibration": bundle, "recipe": recipe, "residual_length": 64}
+        arg = {CACHE_ARG: KakeyaCache.from_model(model, **kw)}
+        with torch.inference_mode():
+            out = [model(ids[:, :260], attention_mask=mask[:, :260], **arg).logits]
+            for t in range(260, 330):
+                out.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **arg).logits)
+        runs = lambda layer: [r for s in ("k", "v") for r, _ in layer._on_device[s].runs]
+        return out, [runs(layer) for layer in arg[CACHE_ARG].layers]
+
+    (want, want_held), (got, got_held) = run(False), run(True)
+    assert len(calls) > 2 and max(calls) > 1, calls  # the prompt's layers together, then steps'
+    for a, b in zip(got_held, want_held):
+        assert fused_encode.same_runs(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    print("layers checked", len(got_held), "calls", len(calls))
+    """
+)
+
+
+def test_a_models_blocks_are_coded_by_the_kernels_as_by_torch_in_the_interpreter(
+    model_dir, calib_text, tmp_path
+):
+    from transformers import AutoTokenizer
+
+    from kakeyaturbo.calibration import calibrate
+    from kakeyaturbo.modeling import load_model
+
+    model = load_model(model_dir)[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
+    bundle.save(tmp_path / "joint")
+    out = run_interpreted(IN_A_MODEL, str(model_dir), str(tmp_path / "joint"))
+    assert "layers checked" in out, out
+
+
 def _span() -> tuple[torch.Tensor, object]:
     x = torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(7))
     return x, default_recipe().k.replace(block_size=64)

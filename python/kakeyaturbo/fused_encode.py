@@ -11,16 +11,22 @@ bytes per value) are why coding many layers' flushes together cost memory. Here:
   greedy water-filling of the stream's bits. The greedy takes the largest marginal gains
   ``sigma_j^2 * (D(b) - D(b + 1))`` first, the lowest component among equals: that is the
   gains above the ``budget``-th largest, found by bisecting its float64 bits (gains are
-  nonnegative, so their bits order as they do), then the equal ones by component.
+  nonnegative, so their bits order as they do), then the equal ones by component. It also
+  counts the values the codec refuses (non-finite, past its range).
 - ``_codes_kernel``, one program per tile of ``fused_decode.BLOCK_N`` vectors: where its
-  stream-block's codes start (the bytes of those before it), the scaled coefficients, their
-  codes by bisecting the codebook's midpoints (ties go up, as ``searchsorted(right=True)``),
-  OR-ed into the packed stream by 32-bit atomics (a tile's bits start on a byte: neighbours
-  share at most a word), and the tile's count of outliers.
-- ``_totals_kernel``, one program: where each tile's outliers start, and the totals the host
-  waits for once (the code bytes, the outliers).
+  stream-block's codes start (the bytes of those before it, the earlier parts' padding), the
+  scaled coefficients, their codes by bisecting the codebook's midpoints (ties go up, as
+  ``searchsorted(right=True)``), OR-ed into the packed stream by 32-bit atomics (a tile's bits
+  start on a byte: neighbours share at most a word), and the tile's count of outliers.
+- ``_totals_kernel``, one program: where each part's codes and outliers start, where each
+  tile's outliers start in its part's, and what the host waits for once (the code bytes, the
+  outliers, the values refused).
 - ``_outliers_kernel``, only where there are outliers: each tile's, in the order of their
   positions, with their decoded values ``mean + float16(z) * sigma``.
+
+Several layers' spans coded in one call come back as their parts, a run per layer laid out as
+``PackedRun.split`` lays them out (its own codes and padding, offsets from its own start), each
+part's tensors views of the call's: no op splits them.
 
 Float32 steps are IEEE-rounded (``div_rn``, no fused multiply-adds), so a GPU gives the
 torch encoder's bytes but for the order float64 sums are added in, as the torch encoder
@@ -289,7 +295,9 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
     ):
         k = tl.program_id(0).to(tl.int64)
-        w = 1.0 / (n + tl.zeros([], dtype=tl.int64)).to(tl.float64)  # the codec's weights
+        # The codec's weights. (A GPU divides and takes square roots of float64 IEEE-rounded
+        # only: there is no approximate float64 form.)
+        w = 1.0 / (n + tl.zeros([], dtype=tl.int64)).to(tl.float64)
         positive = 0
         refused = 0
         for j0 in range(0, d, BLOCK_D):
