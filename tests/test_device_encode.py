@@ -130,6 +130,11 @@ def test_refuses_what_the_codec_refuses():
         encode_run(x, params.replace(pca_method="exact"))
     with pytest.raises(ValueError, match="without a basis"):
         encode_run(x, kt.CodecParams(pca_method="none"))  # uniform allocation
+    with pytest.raises(ValueError, match=r"parts of \[1, 2\] stream-blocks for 2"):
+        device_encode.encode_runs(x, params, [1, 2])
+    with pytest.raises(ValueError, match="parts of"):
+        device_encode.encode_runs(x, params, [2, 0])
+    assert len(device_encode.encode_runs(x, params, [1, 1])) == 2
 
 
 def test_distortion_table_is_the_codecs():
