@@ -48,6 +48,23 @@ def calib_text() -> Path:
     return _require(CALIB_TEXT)
 
 
+@pytest.fixture(scope="session")
+def joint_bundle(model_dir, calib_text, tmp_path_factory) -> Path:
+    """kt-ref-a's bundle with keys and values coded across heads, calibrated once per session
+    on 2,048 tokens, saved where Triton's interpreter (a fresh process) can load it."""
+    from transformers import AutoTokenizer
+
+    from kakeyaturbo.calibration import calibrate
+    from kakeyaturbo.modeling import load_model
+
+    model = load_model(model_dir)[0]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
+    path = tmp_path_factory.mktemp("bundles") / "joint"
+    bundle.save(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_and_tok(model_dir):
     """kt-ref-a and its tokenizer, loaded once per test module (tests may switch its attention

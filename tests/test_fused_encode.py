@@ -161,18 +161,9 @@ IN_A_MODEL = textwrap.dedent(
 
 
 def test_a_models_blocks_are_coded_by_the_kernels_as_by_torch_in_the_interpreter(
-    model_dir, calib_text, tmp_path
+    model_dir, joint_bundle
 ):
-    from transformers import AutoTokenizer
-
-    from kakeyaturbo.calibration import calibrate
-    from kakeyaturbo.modeling import load_model
-
-    model = load_model(model_dir)[0]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
-    bundle.save(tmp_path / "joint")
-    out = run_interpreted(IN_A_MODEL, str(model_dir), str(tmp_path / "joint"))
+    out = run_interpreted(IN_A_MODEL, str(model_dir), str(joint_bundle))
     assert "layers checked" in out, out
 
 

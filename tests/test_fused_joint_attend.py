@@ -174,21 +174,8 @@ def test_the_kernels_give_the_torch_output_in_every_layout_in_the_interpreter():
     assert "layouts checked 6" in run_interpreted(LAYOUTS, here)
 
 
-def test_a_models_decode_steps_attend_with_the_kernels_as_with_torch(
-    model_dir, calib_text, tmp_path
-):
-    from transformers import AutoTokenizer
-
-    from kakeyaturbo.calibration import calibrate
-    from kakeyaturbo.modeling import load_model
-
-    model = load_model(model_dir)[0]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    bundle = calibrate(model, tok, calib_text, tokens=2048, progress=False, joint_heads=True)
-    bundle.save(tmp_path / "joint")
-    assert "decode steps checked" in run_interpreted(
-        IN_A_MODEL, str(model_dir), str(tmp_path / "joint")
-    )
+def test_a_models_decode_steps_attend_with_the_kernels_as_with_torch(model_dir, joint_bundle):
+    assert "decode steps checked" in run_interpreted(IN_A_MODEL, str(model_dir), str(joint_bundle))
 
 
 def test_the_torch_twin_is_attention_over_the_joined_tokens():
