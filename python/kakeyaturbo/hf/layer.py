@@ -529,7 +529,7 @@ class KakeyaLayer(CacheLayerMixin):
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if start >= self._sink_end:  # every sink slot is written (a decode step's case)
             return
-        places = self._sink_places(start, start + k.shape[-2], start)
+        places = self._sink_places(start, start + k.shape[-2], start, self.device)
         if places is not None:
             rows, slots, t = places
             self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
@@ -542,27 +542,31 @@ class KakeyaLayer(CacheLayerMixin):
         index 0 is cache slot ``base``."""
         if self._sink_slots is None or hi <= lo:
             return
-        places = self._sink_places(lo, hi, base)
+        places = self._sink_places(lo, hi, base, self.device)
         if places is not None:
             rows, slots, t = places
             k[rows, :, t] = self._sink_k[rows, slots].to(k.dtype)
             v[rows, :, t] = self._sink_v[rows, slots].to(v.dtype)
 
-    def _sink_places(self, lo: int, hi: int, base: int) -> tuple | None:
-        """The sinks at cache slots [lo, hi) as (rows, which sinks, slots - ``base``) on the
-        layer's device, or None. Asked alike by every layer of a forward (equal slots): made
-        once, from the host's copy of the slots."""
+    def _sink_places(self, lo: int, hi: int, base: int, device: torch.device) -> tuple | None:
+        """The sinks at cache slots [lo, hi) as (rows, which sinks, slots - ``base``) on
+        ``device``, or None. Asked alike by every layer of a forward (equal slots): made once
+        per device, from the host's copy of the slots."""
         at = self._sink_slots
-        key = (lo, hi, base, str(self.device), tuple(at.shape), at.numpy().tobytes())
 
         def make() -> tuple | None:
             sel = (at >= lo) & (at < hi)
             if not bool(sel.any()):
                 return None
             rows, slots = sel.nonzero(as_tuple=True)
-            return tuple(i.to(self.device) for i in (rows, slots, at[rows, slots] - base))
+            return tuple(i.to(device) for i in (rows, slots, at[rows, slots] - base))
 
-        return self._ctx.step.once("sink places", key, make)
+        key = (lo, hi, base, *self._slots_key())
+        return self._ctx.step.once(f"sink places on {device}", key, make)
+
+    def _slots_key(self) -> tuple:
+        """The sinks' slots as a memo's key (their values: another batch's slots differ)."""
+        return tuple(self._sink_slots.shape), self._sink_slots.numpy().tobytes()
 
     def _step_positions(self, q: int, start: int) -> torch.Tensor:
         """RoPE positions of the tokens arriving now: the forward's position_ids when the model
@@ -599,18 +603,17 @@ class KakeyaLayer(CacheLayerMixin):
         """[B, t] bool: which of cache slots start..start+t are sinks (held exact)."""
         if self._sink_slots is None:
             return None
-        at = self._sink_slots
 
         def make() -> torch.Tensor | None:
-            sel = (at >= start) & (at < start + t)
-            if not bool(sel.any()):
+            places = self._sink_places(start, start + t, start, torch.device("cpu"))
+            if places is None:
                 return None
+            rows, _, slots = places
             mask = torch.zeros((self._rows, t), dtype=torch.bool)
-            rows, slots = sel.nonzero(as_tuple=True)
-            mask[rows, at[rows, slots] - start] = True
+            mask[rows, slots] = True
             return mask
 
-        key = (start, t, self._rows, tuple(at.shape), at.numpy().tobytes())
+        key = (start, t, self._rows, *self._slots_key())
         return self._ctx.step.once("sink mask", key, make)
 
     def _flush(self, new_v: torch.Tensor) -> None:
