@@ -32,7 +32,7 @@ from . import _core, fused_decode
 from ._runs import equal_runs
 from .norm_codes import StackedNorms
 
-__all__ = ["DeviceBlocks", "PackedRun", "reads"]
+__all__ = ["DeviceBlocks", "PackedRun", "checked_parts", "reads"]
 
 #: Widest code of one component (the codec's ``MAX_COMPONENT_BITS``).
 MAX_WIDTH = 8
@@ -64,6 +64,15 @@ def _on(name: str, make, device: torch.device) -> torch.Tensor:
     if key not in _ON:
         _ON[key] = make().to(device)
     return _ON[key]
+
+
+def checked_parts(counts: Sequence[int], k: int) -> list[int]:
+    """``counts`` as consecutive parts of ``k`` stream-blocks (each part at least one, all of
+    them covered), else a ``ValueError``."""
+    counts = [int(c) for c in counts]
+    if not counts or sum(counts) != k or min(counts) <= 0:
+        raise ValueError(f"parts of {counts} stream-blocks for {k}")
+    return counts
 
 
 def reads(params: Any) -> bool:
@@ -193,8 +202,7 @@ class PackedRun:
         run per layer). Each part's codes are its own (with their zero padding); its other
         tensors are views where that needs no op: the parts' views split their storage."""
         k, d = self.bits.shape
-        if sum(counts) != k or min(counts) <= 0:
-            raise ValueError(f"PackedRun.split: parts of {list(counts)} stream-blocks of {k}")
+        counts = checked_parts(counts, k)
         if len(counts) == 1:
             return [self]
         tiles = (self.outlier_tiles.numel() - 1) // k

@@ -31,7 +31,16 @@ from typing import Any
 import torch
 
 from . import _core, fused_decode, fused_encode
-from .device_decode import _LEVELS, _PAD, _SKELETON, MAX_WIDTH, PackedRun, _on, reads
+from .device_decode import (
+    _LEVELS,
+    _PAD,
+    _SKELETON,
+    MAX_WIDTH,
+    PackedRun,
+    _on,
+    checked_parts,
+    reads,
+)
 
 __all__ = ["encode_run", "encode_runs", "encode_runs_with_kernels"]
 
@@ -107,12 +116,7 @@ def encode_runs_with_kernels(
 
 def _parts(parts: Sequence[int] | None, k: int) -> list[int]:
     """``parts`` checked to cover the ``k`` stream-blocks (None: one part of them all)."""
-    if parts is None:
-        return [k]
-    parts = [int(c) for c in parts]
-    if not parts or sum(parts) != k or min(parts) <= 0:
-        raise ValueError(f"parts of {parts} stream-blocks for {k}")
-    return parts
+    return [k] if parts is None else checked_parts(parts, k)
 
 
 def _checked(y: torch.Tensor, params: Any) -> tuple[list[int], Any]:
