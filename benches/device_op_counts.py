@@ -44,6 +44,7 @@ from kakeyaturbo import (  # noqa: E402
     fused_encode,
     fused_int8_rows,
     fused_joint_attend,
+    fused_norm_encode,
 )
 from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
@@ -67,6 +68,7 @@ KERNELS = (
     (fused_encode, "_codes_kernel"),
     (fused_encode, "_totals_kernel"),
     (fused_encode, "_outliers_kernel"),
+    (fused_norm_encode, "_norm_codes_kernel"),
     (fused_attention, "_key_logits_kernel"),
     (fused_int8_rows, "_encode_kernel"),
     (fused_joint_attend, "_partials_kernel"),

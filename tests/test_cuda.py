@@ -193,6 +193,32 @@ def test_the_triton_encoder_compiles_and_codes_the_codecs_blocks(skeleton):
     assert fused_encode.KERNEL.standing() == {"cuda:0": "used"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_triton_norm_encoder_compiles_and_codes_the_torch_ops_norms(dtype):
+    """The fused norm encoder (``fused_norm_encode.py``) compiled for this GPU: the torch ops'
+    codes to its tolerance (the GPU's log2 may round otherwise), strided input, zeros, and
+    taken by ``StackedNorms.encoded`` after its check."""
+    from kakeyaturbo import fused_norm_encode
+    from kakeyaturbo.norm_codes import StackedNorms, encoded_with_torch
+
+    if fused_norm_encode.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(3)
+    n = (torch.randn(3, 4, 1024, generator=g) * 3.0).exp().clamp_max(6e4)
+    n[0, 1, 5:40] = 0.0
+    n[2, 3] = 0.0
+    n = n.to(dtype).cuda()
+    for x in (n, n.transpose(0, 1).contiguous().transpose(0, 1)):
+        for tokens in (256, 64, 128):
+            got, want = fused_norm_encode.encode(x, tokens), encoded_with_torch(x, tokens)
+            assert fused_norm_encode.close(got, want), tokens
+            moved = int((got[0] != want[0]).sum())
+            assert moved <= x.numel() // 1000, moved  # a code moved by an ulp's log2 is rare
+    stacked = StackedNorms.encoded(n, 256)
+    assert fused_norm_encode.KERNEL.standing() == {"cuda:0": "used"}
+    assert fused_norm_encode.close(stacked.runs[0], encoded_with_torch(n, 256))
+
+
 @pytest.mark.parametrize("stream", ["k", "v"])
 def test_the_triton_decoder_compiles_and_gives_the_torch_decoders_bits(stream):
     """The fused decoder (``fused_decode.py``) compiled for this GPU: the torch decoder's

@@ -1,9 +1,10 @@
 """What the package's Triton kernels share: Triton itself where it imports, and the rule that
 a kernel serves a device only once its first call there agreed with the torch ops it replaces.
 
-The kernels (``fused_decode.py``, ``fused_attention.py``, ``fused_joint_attend.py``,
-``fused_int8_rows.py``) run where the model does, on CUDA devices; nothing here imports the
-rest of the package (no import cycle), so any module may use it.
+The kernels (``fused_decode.py``, ``fused_encode.py``, ``fused_norm_encode.py``,
+``fused_attention.py``, ``fused_joint_attend.py``, ``fused_int8_rows.py``) run where the model
+does, on CUDA devices; nothing here imports the rest of the package (no import cycle), so any
+module may use it.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import fused_decode
+from . import fused_decode, fused_norm_encode
 from ._runs import equal_runs
 
-__all__ = ["NormCodes", "StackedNorms", "decode_norms", "encode_norms"]
+__all__ = ["NormCodes", "StackedNorms", "decode_norms", "encode_norms", "scaled_norms"]
 
 #: Codes 1..STEPS + 1 span a stream's [smallest, largest] norm; code 0 is zero.
 STEPS = 254
@@ -59,6 +59,13 @@ class NormCodes:
     def decode(self) -> torch.Tensor:
         """The norms ``[rows, heads, tokens]`` float32."""
         return decode_norms([self])
+
+
+def scaled_norms(norms: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """``norms`` over ``divisor`` (at least 1e-3) as float16, at most its largest: the scale a
+    head of a stream coded across heads stores (its norm over its decoded unit vector's)."""
+    scale = norms.float() / divisor.clamp_min(1e-3)
+    return scale.clamp_max(torch.finfo(torch.float16).max).half()
 
 
 def _log_bounds(bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +118,16 @@ class StackedNorms:
         return cls(runs)
 
     @classmethod
-    def encoded(cls, norms: torch.Tensor, tokens: int) -> StackedNorms:
-        """``norms`` ``[rows, heads, T]`` coded in blocks of ``tokens`` (``T`` a multiple),
-        stacked on their device as :meth:`of` stacks the blocks' :func:`encode_norms`."""
-        r, h, t = norms.shape
-        coded = encode_norms(norms.reshape(r, h, t // tokens, tokens))
-        llo, step = _log_bounds(coded.bounds)
-        return cls([(coded.codes, llo.contiguous(), step.contiguous())])
+    def encoded(
+        cls, norms: torch.Tensor, tokens: int, divisor: torch.Tensor | None = None
+    ) -> StackedNorms:
+        """``norms`` ``[rows, heads, T]`` (over ``divisor`` where given: :func:`scaled_norms`)
+        coded in blocks of ``tokens`` (``T`` a multiple), stacked on their device as :meth:`of`
+        stacks the blocks' :func:`encode_norms`."""
+        with_torch = lambda: encoded_with_torch(norms, tokens, divisor)  # noqa: E731
+        if fused_norm_encode.usable(norms, tokens, with_torch, divisor):
+            return cls([fused_norm_encode.encode(norms, tokens, divisor)])  # a GPU: one launch
+        return cls([with_torch()])
 
     def split(self, rows: Sequence[int]) -> list[StackedNorms]:
         """The norms of consecutive parts of ``rows`` batch rows (several layers' rows coded
@@ -153,6 +163,18 @@ class StackedNorms:
         run, ``fused_decode.decode_norms``)."""
         out = [_decode_run(*run) for run in self.runs]
         return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+
+def encoded_with_torch(
+    norms: torch.Tensor, tokens: int, divisor: torch.Tensor | None = None
+) -> tuple:
+    """:meth:`StackedNorms.encoded`'s one run ``(codes, log2 low, step)`` by torch ops."""
+    if divisor is not None:
+        norms = scaled_norms(norms, divisor)
+    r, h, t = norms.shape
+    coded = encode_norms(norms.reshape(r, h, t // tokens, tokens))
+    llo, step = _log_bounds(coded.bounds)
+    return coded.codes, llo.contiguous(), step.contiguous()
 
 
 def _decode_run(codes: torch.Tensor, llo: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

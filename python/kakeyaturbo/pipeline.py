@@ -48,7 +48,7 @@ from . import device_encode
 from ._arrays import bf16_bits
 from ._runs import equal_runs
 from .device_decode import DeviceBlocks
-from .norm_codes import NormCodes, StackedNorms, decode_norms, encode_norms
+from .norm_codes import NormCodes, StackedNorms, decode_norms, encode_norms, scaled_norms
 from .recipes import MAX_BITS, Recipe
 
 __all__ = ["BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
@@ -296,10 +296,12 @@ class Pipeline:
         del y
         held = [DeviceBlocks([(r, count)], per // count, None, t) for r in runs]
         if norms is not None:
+            divisor = None  # across heads, each head's scale: over its decoded unit vector's norm
             if self.recipe.joint(stream):
                 coded = torch.cat([r.decode() for r in runs]) if n > 1 else runs[0].decode()
-                norms = self._head_scales(coded.view(n, b, t, -1), layers, stream, norms)
-            stacked = StackedNorms.encoded(norms.reshape(n * b, h, t), bs)
+                divisor = self._head_norms(coded.view(n, b, t, -1), layers, stream, h)
+                divisor = divisor.reshape(n * b, h, t)
+            stacked = StackedNorms.encoded(norms.reshape(n * b, h, t), bs, divisor)
             for i, one in enumerate(stacked.split([b] * n)):
                 held[i].norms = one
         return held
@@ -369,9 +371,11 @@ class Pipeline:
         (their decoded codes ``coded`` ``[L, B, T, H*D]``; the tokens' norms ``norms``
         ``[L, B, H, T]``): its norm over the norm of its decoded unit vector (the decoder
         multiplies by it and divides by nothing)."""
-        heads = self._heads(coded, layers, stream, norms.shape[2])
-        scale = norms.float() / heads.norm(dim=-1).clamp_min(1e-3)
-        return scale.clamp_max(torch.finfo(torch.float16).max).half()
+        return scaled_norms(norms, self._head_norms(coded, layers, stream, norms.shape[2]))
+
+    def _head_norms(self, coded, layers: list[int], stream: str, heads: int) -> torch.Tensor:
+        """The norms ``[L, B, H, T]`` of each head's decoded unit vector (:meth:`_heads`)."""
+        return self._heads(coded, layers, stream, heads).norm(dim=-1)
 
     def code_frame(
         self,
