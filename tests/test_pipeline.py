@@ -165,6 +165,29 @@ def test_sinks_are_neutralised_and_written_back():
     assert err < 0.9 * err_raw
 
 
+def test_neutralising_replaces_each_sink_by_its_blocks_other_tokens_mean():
+    from kakeyaturbo.pipeline import _neutralise
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 2, 150, 8, generator=g)
+    sinks = torch.zeros(3, 150, dtype=torch.bool)
+    sinks[0, [0, 1, 3]] = True  # a prompt's sinks
+    sinks[1, [70, 140, 149]] = True  # a padded row's, one in the shorter last block
+    sinks[2, 64:128] = True  # a block of sinks only: their mean is of nothing, zero
+    want = x.clone()
+    for r, i in sinks.nonzero().tolist():
+        lo = i - i % 64
+        others = [j for j in range(lo, min(lo + 64, 150)) if not sinks[r, j]]
+        want[r, :, i] = x[r, :, others].mean(1) if others else 0.0
+    got = _neutralise(x, sinks, 64)
+    assert torch.allclose(got, want, atol=1e-6)
+    kept = ~sinks[:, None].expand(-1, 2, -1)
+    assert torch.equal(got[kept], x[kept])  # every other token as it was
+    assert _neutralise(x, torch.zeros_like(sinks), 64) is x  # no sinks: nothing made
+    short = _neutralise(x[:, :, :40], sinks[:, :40], 64)  # a span shorter than a block
+    assert torch.allclose(short[0, :, 0], x[0, :, [2, *range(4, 40)]].mean(1), atol=1e-6)
+
+
 def test_pre_rope_keys_are_unrotated_and_rotated_back(model_dir):
     from transformers import AutoConfig
 
