@@ -322,8 +322,8 @@ class Pipeline:
         norms = None
         if self.recipe.token_norms(stream):
             full = y.norm(dim=-1)
-            top = full.amax(dim=(1, 2, 3))
-            if bool((top > torch.finfo(torch.float16).max).any()):
+            if float(full.amax()) > torch.finfo(torch.float16).max:  # (NaN: the codec's error)
+                top = full.amax(dim=(1, 2, 3))
                 i = int(top.argmax())
                 raise ValueError(
                     f"layer {layers[i]} {stream}: a token's norm {float(top[i]):.4g} exceeds "
@@ -332,7 +332,8 @@ class Pipeline:
                 )
             norms = full.half()
             # The clamp keeps zero vectors zero (their stored norm is 0) instead of NaN.
-            y = y / norms.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+            # (Divided in float32: float16 operands are converted exactly.)
+            y = y / norms.clamp_min(torch.finfo(torch.float16).tiny)[..., None]
         if not self.recipe.joint(stream):
             return y, norms
         joint = self._joints(layers, stream, y.device)[:, None]
