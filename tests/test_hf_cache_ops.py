@@ -426,6 +426,21 @@ def test_batch_change_without_select_is_refused(model, ids):
         step(model, cache, torch.cat([ids[:, 50:51]] * 2))
 
 
+def test_each_layer_holds_its_own_sinks_picked_once_per_forward_from_the_mask(model, ids):
+    # Every layer picks the same sink slots from a forward's attention mask (made once), each
+    # layer holding its own copy; the next sequence's mask, of the same shape, picks anew.
+    cache = kakeya(model, sink_tokens=4)
+    for pad in (3, 9):
+        cache.reset()
+        mask = torch.ones(2, 80, dtype=torch.long)
+        mask[1, :pad] = 0
+        with torch.inference_mode():
+            model(ids[:, :80].repeat(2, 1), attention_mask=mask, **{CACHE_ARG: cache})
+        slots = [layer._sink_idx for layer in cache.layers]
+        assert all(s.tolist() == [[0, 1, 2, 3], list(range(pad, pad + 4))] for s in slots), pad
+        assert len({s.data_ptr() for s in slots}) == len(slots)
+
+
 def test_what_layers_ask_alike_is_made_once_per_equal_arguments():
     # Every layer of a forward asks which sinks a span holds, from its own copy of the slots:
     # one answer while the arguments are equal, a new one as soon as they are not (another

@@ -506,16 +506,14 @@ class KakeyaLayer(CacheLayerMixin):
         """Pick each row's sink slots: its first `sink_tokens` real (unpadded) tokens when the
         prefill's 2-D attention mask is known, else the first slots."""
         s, b, start = self.sink_tokens, self._rows, self._len
-        idx = torch.arange(start, start + s).expand(b, s).clone()
         mask = self._ctx.step.attention_mask
-        if mask is not None and mask.dim() == 2 and mask.shape == (b, start + q):
-            new = mask[:, start:].bool().cpu()
-            for r in range(b):
-                real = new[r].nonzero().flatten()[:s]
-                pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
-                idx[r] = start + torch.cat([real, pad_after])
-        self._set_sink_slots(idx)
-        self._sink_end = int(idx.max()) + 1
+        # Every layer of a forward picks alike: once (the memo holds the mask, so its id stays).
+        key = (s, b, start, q, id(mask))
+        idx, end, _ = self._ctx.step.once(
+            "sink slots", key, lambda: _sink_slots(s, b, start, q, mask)
+        )
+        self._set_sink_slots(idx.clone())  # the layer's own (its bytes counted per layer)
+        self._sink_end = end
         self._held = None
         h = self._heads
         self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
@@ -878,6 +876,20 @@ class KakeyaLayer(CacheLayerMixin):
                 if self._ctx.budget.try_reserve(sum(_storage_bytes(t) for t in new)):
                     blk.decoded = new
         self._rows = len(order)
+
+
+def _sink_slots(s: int, b: int, start: int, q: int, mask: torch.Tensor | None) -> tuple:
+    """(host ``[b, s]`` cache slots of each row's sinks, past the last of them, ``mask``) for a
+    forward of ``q`` tokens from slot ``start``: each row's first ``s`` real (unpadded) tokens
+    where its 2-D attention mask is known, else the first slots."""
+    idx = torch.arange(start, start + s).expand(b, s).clone()
+    if mask is not None and mask.dim() == 2 and mask.shape == (b, start + q):
+        new = mask[:, start:].bool().cpu()
+        for r in range(b):
+            real = new[r].nonzero().flatten()[:s]
+            pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
+            idx[r] = start + torch.cat([real, pad_after])
+    return idx, int(idx.max()) + 1, mask
 
 
 def _block_positions(pos: torch.Tensor, n: int, bs: int, step: StepInputs) -> list:
