@@ -253,7 +253,7 @@ class KakeyaLayer(CacheLayerMixin):
         """Values ``[..., D]`` as the hot window holds them (a new tensor)."""
         if self._ctx.int8_hot_values:
             return int8_rows.encode(v)
-        return v.to(self._hot_float, copy=True)
+        return v.to(self._hot_float, copy=True, memory_format=torch.contiguous_format)
 
     def _read_values(self, held: torch.Tensor) -> torch.Tensor:
         """Values as the hot window holds them -> ``[..., D]`` as attention reads them: in the
@@ -278,6 +278,13 @@ class KakeyaLayer(CacheLayerMixin):
         the window per step: spare room to append in place would be bytes held (16 spare tokens
         would be about 1% of what the cache holds at 8k tokens)."""
         hot_k, hot_v, hot_pos = self._hot_k, self._hot_v, self._hot_pos
+        if not hot_k.shape[-2]:  # an empty window (a prompt's): the new tokens, copied once
+            self._set_hot(
+                k.to(hot_k.dtype, copy=True, memory_format=torch.contiguous_format),
+                self._held_values(v),
+                None if pos is None else pos.clone(),
+            )
+            return
         self._set_hot(
             torch.cat([hot_k, k.to(hot_k.dtype)], dim=-2),
             torch.cat([hot_v, self._held_values(v)], dim=-2),
@@ -324,6 +331,10 @@ class KakeyaLayer(CacheLayerMixin):
             view = CodedView(self, self._held_blocks())
             self._ctx.step.coded[self.layer_idx] = view
             full_k, full_v = view.exact_part(key_states, value_states)
+        elif not self._blocks and not self._hot_k.shape[-2]:
+            # Nothing held yet (a prompt's first forward): attention reads the forward's own
+            # states, as DynamicCache's first update returns them, with no copy.
+            full_k, full_v = key_states, value_states
         else:
             old_k, old_v = self._materialize()
             hot_k, hot_v = self._hot_k.to(self.dtype), self._hot_values().to(self.dtype)
