@@ -441,6 +441,36 @@ def test_each_layer_holds_its_own_sinks_picked_once_per_forward_from_the_mask(mo
         assert len({s.data_ptr() for s in slots}) == len(slots)
 
 
+def test_sinks_hold_the_states_at_their_slots_captured_across_forwards(model, ids):
+    # The sinks are the exact states each layer was given at their slots: rows alike (a copy
+    # each, also after equal padding), a padded row (scattered), and a prompt shorter than the
+    # sinks, the rest captured by the next forward.
+    for pads, cut in (((0, 0), 2), ((0, 5), 2), ((3, 3), 30), ((0, 0), 30)):
+        cache, given = kakeya(model, sink_tokens=4), {}
+        for layer in cache.layers:
+            seen = given[layer] = []
+
+            def spy(k, v, *args, _real=layer.update, _seen=seen, **kw):
+                _seen.append((k.clone(), v.clone()))
+                return _real(k, v, *args, **kw)
+
+            layer.update = spy
+        mask = torch.ones(2, 40, dtype=torch.long)
+        for r, pad in enumerate(pads):
+            mask[r, :pad] = 0
+        tokens = ids[:, :40].repeat(2, 1)
+        with torch.inference_mode():
+            for lo, hi in ((0, cut), (cut, 40)):
+                model(tokens[:, lo:hi], attention_mask=mask[:, :hi], **{CACHE_ARG: cache})
+        for layer, seen in given.items():
+            idx = layer._sink_idx
+            for held, i in ((layer._sink_k, 0), (layer._sink_v, 1)):
+                states = torch.cat([s[i] for s in seen], dim=2)
+                for r in range(2):
+                    exact = states[r, :, idx[r]].transpose(0, 1).to(held.dtype)
+                    assert torch.equal(held[r], exact), (pads, cut, layer.layer_idx, i)
+
+
 def test_what_layers_ask_alike_is_made_once_per_equal_arguments():
     # Every layer of a forward asks which sinks a span holds, from its own copy of the slots:
     # one answer while the arguments are equal, a new one as soon as they are not (another

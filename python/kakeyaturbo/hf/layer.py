@@ -538,11 +538,39 @@ class KakeyaLayer(CacheLayerMixin):
     def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         if start >= self._sink_end:  # every sink slot is written (a decode step's case)
             return
-        places = self._sink_places(start, start + k.shape[-2], start, self.device)
+        lo, hi = start, start + k.shape[-2]
+        run = self._sink_run(lo, hi)
+        if run is not None:  # the usual case: a copy each, converting as it goes
+            first, at, n = run
+            self._sink_k[:, first : first + n].copy_(k[:, :, at : at + n].transpose(1, 2))
+            self._sink_v[:, first : first + n].copy_(v[:, :, at : at + n].transpose(1, 2))
+            return
+        places = self._sink_places(lo, hi, start, self.device)
         if places is not None:
             rows, slots, t = places
             self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
             self._sink_v[rows, slots] = v[rows, :, t].to(self._sink_v.dtype)
+
+    def _sink_run(self, lo: int, hi: int) -> tuple | None:
+        """(first sink, its slot - ``lo``, how many) where every row's sinks at cache slots
+        [lo, hi) are the same consecutive sinks at the same consecutive slots (a prompt
+        without padding), else None. Asked alike by every layer of a forward: made once."""
+        at = self._sink_slots
+
+        def make() -> tuple | None:
+            sel = (at >= lo) & (at < hi)
+            picked = sel[0].nonzero().flatten()
+            if not picked.numel() or not bool((sel == sel[0]).all()):
+                return None
+            first, n = int(picked[0]), picked.numel()
+            slots = at[:, first : first + n]
+            if not bool(sel[0, first : first + n].all()):
+                return None  # the picked sinks are not consecutive
+            if not bool((slots == slots[0, 0] + torch.arange(n)).all()):
+                return None
+            return first, int(slots[0, 0]) - lo, n
+
+        return self._ctx.step.once("sink run", (lo, hi, *self._slots_key()), make)
 
     def _overwrite_sinks(
         self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, base: int
