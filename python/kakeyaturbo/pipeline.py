@@ -319,6 +319,7 @@ class Pipeline:
             flat = sinks.reshape(n * b, t)
             x = _neutralise(x.reshape(n * b, h, t, d), flat, self.recipe.block_size).view(x.shape)
         y = self._into_frames(x, layers, stream)
+        del x  # (each step's input is freed once the next is made: the flush's peak)
         norms = None
         if self.recipe.token_norms(stream):
             full = y.norm(dim=-1)
@@ -337,8 +338,9 @@ class Pipeline:
         if not self.recipe.joint(stream):
             return y, norms
         joint = self._joints(layers, stream, y.device)[:, None]
-        y = y.permute(0, 1, 3, 2, 4).reshape(n, b, t, h * d) @ joint
-        return y[:, :, None], norms
+        heads = y.permute(0, 1, 3, 2, 4).reshape(n, b, t, h * d)  # side by side: a copy
+        del y
+        return (heads @ joint)[:, :, None], norms
 
     def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
         """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""
