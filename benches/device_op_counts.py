@@ -88,6 +88,7 @@ class Counts(TorchDispatchMode):
         self.quiet = False
         self.live: dict[int, list[int]] = {}  # storage address: [bytes, tensors holding it]
         self.now = self.peak = 0
+        self.peak_at = "nowhere"  # where the peak was reached: the innermost package calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -123,7 +124,8 @@ class Counts(TorchDispatchMode):
             else:
                 self.live[at] = [storage.nbytes(), 1]
                 self.now += storage.nbytes()
-                self.peak = max(self.peak, self.now)
+                if self.now > self.peak:
+                    self.peak, self.peak_at = self.now, _site(calls=3)
             weakref.finalize(t, self._release, at)
 
     def _release(self, at: int) -> None:
@@ -134,11 +136,16 @@ class Counts(TorchDispatchMode):
             del self.live[at]
 
 
-def _site() -> str:
+def _site(calls: int = 1) -> str:
+    """The innermost kakeyaturbo function on the stack ("model" where there is none), or the
+    innermost ``calls`` of them, innermost first."""
+    found = []
     for frame in reversed(traceback.extract_stack()[:-3]):
         if "/kakeyaturbo/" in frame.filename.replace("\\", "/"):
-            return re.sub(r".*/kakeyaturbo/", "", frame.filename) + ":" + frame.name
-    return "model"
+            found.append(re.sub(r".*/kakeyaturbo/", "", frame.filename) + ":" + frame.name)
+            if len(found) == calls:
+                break
+    return " < ".join(found) or "model"
 
 
 class Launches:
@@ -242,7 +249,7 @@ def main() -> None:
             f"\n{label}: {total} ops and launches per {what}, {counts.sites['model']} of them "
             f"the model's (transformers), {own + sum(launches.values())} the cache's "
             f"(Triton launches: {dict(launches) or 'none'}); tensors made in it alive at once: "
-            f"{counts.peak / 2**20:.1f} MiB at most"
+            f"{counts.peak / 2**20:.1f} MiB at most, reached in {counts.peak_at}"
         )
         for site, n in counts.sites.most_common(args.top):
             print(f"  {n:6d}  {site}")
