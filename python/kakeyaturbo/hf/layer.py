@@ -554,7 +554,8 @@ class KakeyaLayer(CacheLayerMixin):
     def _sink_run(self, lo: int, hi: int) -> tuple | None:
         """(first sink, its slot - ``lo``, how many) where every row's sinks at cache slots
         [lo, hi) are the same consecutive sinks at the same consecutive slots (a prompt
-        without padding), else None. Asked alike by every layer of a forward: made once."""
+        without padding, or padded alike), else None. Asked alike by every layer of a forward:
+        made once."""
         at = self._sink_slots
 
         def make() -> tuple | None:
