@@ -285,8 +285,11 @@ class KakeyaLayer(CacheLayerMixin):
                 None if pos is None else pos.clone(),
             )
             return
+        b, h, t, d = hot_k.shape
+        keys = hot_k.new_empty((b, h, t + k.shape[-2], d))
+        torch.cat([hot_k, k], dim=-2, out=keys)  # cast as it copies: one op, not two
         self._set_hot(
-            torch.cat([hot_k, k.to(hot_k.dtype)], dim=-2),
+            keys,
             torch.cat([hot_v, self._held_values(v)], dim=-2),
             None if pos is None else torch.cat([hot_pos, pos], dim=-1),
         )
