@@ -56,7 +56,8 @@ NO_WORK = re.compile(
     r"aten\.(view|_reshape_alias|_unsafe_view|as_strided|unsqueeze|squeeze|select|slice|"
     r"narrow|split|split_with_sizes|chunk|unbind|unflatten|flatten|transpose|t|permute|expand|"
     r"expand_as|view_as|diagonal|detach|alias|lift_fresh|resolve_conj|resolve_neg|empty|"
-    r"empty_like|empty_strided|numpy_T|result_type|item|_local_scalar_dense|is_nonzero|equal)\."
+    r"empty_like|empty_strided|new_empty|new_empty_strided|numpy_T|result_type|item|"
+    r"_local_scalar_dense|is_nonzero|equal)\."
 )
 # Ops that return their input where there is nothing to do (a cast to the same dtype).
 MAYBE_NOTHING = re.compile(r"aten\.(to|reshape|contiguous|type_as)\.")
