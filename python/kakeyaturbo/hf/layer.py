@@ -529,9 +529,7 @@ class KakeyaLayer(CacheLayerMixin):
         self._set_sink_slots(idx.clone())  # the layer's own (its bytes counted per layer)
         self._sink_end = end
         self._held = None
-        h = self._heads
-        self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
-        self._sink_v = self._hot_k.new_zeros((b, s, h, self._v_dim))
+        self._sink_k = self._sink_v = None  # made by the first capture (_capture_sinks)
 
     def _set_sink_slots(self, idx: torch.Tensor) -> None:
         """``idx`` (host, ``[B, S]`` long) as the sinks' slots, on the host and the device."""
@@ -543,6 +541,17 @@ class KakeyaLayer(CacheLayerMixin):
             return
         lo, hi = start, start + k.shape[-2]
         run = self._sink_run(lo, hi)
+        if self._sink_k is None:
+            if run is not None and run[2] == self.sink_tokens:
+                # Every sink arrives now (a prompt's first forward): the sinks are their copies.
+                at, n, dtype = run[1], run[2], self._hot_k.dtype
+                same = {"memory_format": torch.contiguous_format, "copy": True}
+                self._sink_k = k[:, :, at : at + n].transpose(1, 2).to(dtype, **same)
+                self._sink_v = v[:, :, at : at + n].transpose(1, 2).to(dtype, **same)
+                return
+            b, s, h = self._rows, self.sink_tokens, self._heads
+            self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
+            self._sink_v = self._hot_k.new_zeros((b, s, h, self._v_dim))
         if run is not None:  # the usual case: a copy each, converting as it goes
             first, at, n = run
             self._sink_k[:, first : first + n].copy_(k[:, :, at : at + n].transpose(1, 2))
