@@ -22,7 +22,15 @@ except Exception:  # not installed (CPU-only torch builds) or broken: torch ops 
     triton = None
     tl = None
 
-__all__ = ["CheckedKernel", "bf16_bits", "checked_kernels", "tl", "triton", "within_tolerance"]
+__all__ = [
+    "CheckedKernel",
+    "bf16_bits",
+    "checked_kernels",
+    "round_half_even",
+    "tl",
+    "triton",
+    "within_tolerance",
+]
 
 _EVERY: list[CheckedKernel] = []
 
@@ -110,5 +118,12 @@ if triton is not None:
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return tl.where(x != x, 0x7FC0, bits)
 
+    @triton.jit
+    def round_half_even(x):
+        """float32 ``x`` (``|x| < 2**22``) rounded to an integer, ties to even, as
+        ``torch.round``: adding and taking away 1.5 * 2^23 leaves the integer, exactly."""
+        return (x + 12582912.0) - 12582912.0
+
 else:
     bf16_bits = None
+    round_half_even = None

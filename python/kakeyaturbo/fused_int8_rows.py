@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._triton import CheckedKernel, bf16_bits, tl, triton
+from ._triton import CheckedKernel, bf16_bits, round_half_even, tl, triton
 
 __all__ = ["KERNEL", "encode", "same_rows", "usable"]
 
@@ -92,8 +92,7 @@ if triton is not None:
         q = tl.math.div_rn(v, s)
         q = tl.where((q != q) | (tl.abs(q) == float("inf")), 0.0, q)  # nan_to_num(0, 0, 0)
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-        # Round half to even: adding and taking away 1.5 * 2^23 leaves an integer (|q| < 2^22).
-        q = (q + 12582912.0) - 12582912.0
+        q = round_half_even(q)  # (|q| <= 127)
         tl.store(out + row * (D + 2) + j[None, :], q.to(tl.int8), mask=ok)
         live = r < n
         at = out + r.to(tl.int64) * (D + 2) + D

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._triton import CheckedKernel, tl, triton, within_tolerance
+from ._triton import CheckedKernel, round_half_even, tl, triton, within_tolerance
 
 __all__ = ["KERNEL", "TOLERANCE", "close", "encode", "usable"]
 
@@ -110,14 +110,6 @@ if triton is not None:
     _HALF_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
 
     @triton.jit
-    def _round_half_even(x):
-        """``x`` rounded to the nearest integer, ties to even (torch.round), exactly."""
-        r = tl.floor(x)
-        frac = x - r  # exact
-        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-        return tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
-
-    @triton.jit
     def _norm_codes_kernel(
         norms,  # [R, H, T] float16 or float32, strides (sr, sh, st)
         divisor,  # [R, H, T] float32, strides (dr, dh, dt): norms over it (HAS_DIVISOR)
@@ -159,7 +151,9 @@ if triton is not None:
         per = tl.math.div_rn(tl.log2(hi) - lg_lo, _STEPS)
         rel = tl.log2(tl.maximum(n, _TINY)) - lg_lo
         pos = tl.where(per > 0.0, tl.math.div_rn(rel, tl.where(per > 0.0, per, 1.0)), 0.0)
-        code = tl.minimum(tl.maximum(_round_half_even(pos) + 1.0, 1.0), 255.0)
+        # Held within the rounding's range first: any position past it codes as its end.
+        pos = tl.minimum(tl.maximum(pos, -2.0), _STEPS + 2.0)
+        code = tl.minimum(tl.maximum(round_half_even(pos) + 1.0, 1.0), 255.0)
         code = tl.where(real, code, 0.0)
         out = stream * blocks + j
         tl.store(codes + out * tokens + t, code.to(tl.uint8), mask=ok)
