@@ -48,7 +48,7 @@ from kakeyaturbo import (  # noqa: E402
 )
 from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, int8_rows  # noqa: E402
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, hot_window, int8_rows  # noqa: E402
 from kakeyaturbo.hf.layer import DEFERRED_FLUSH_BYTES  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
 
@@ -101,7 +101,9 @@ class Counts(TorchDispatchMode):
         same = isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)
         if MAYBE_NOTHING.match(name) and same and out.data_ptr() == first.data_ptr():
             return out
-        self.sites[_site()] += 1
+        # A foreach copy is one launch on a GPU only where CUDA's fast route takes it.
+        many = name.startswith("aten._foreach_copy_")
+        self.sites[_site()] += hot_window.launches(args[0], args[1]) if many else 1
         return out
 
     def _track(self, args, kwargs, out) -> None:

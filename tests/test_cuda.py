@@ -309,3 +309,39 @@ def test_the_triton_joint_attention_compiles_and_agrees_with_torch(dtype, scales
     tolerance = (1e-4 if dtype == torch.float32 else 1e-2) * want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= tolerance
     assert fj.usable(*args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_appends_take_cudas_one_launch_route(model_dir, dtype, monkeypatch):
+    """A decode step's new tokens go into every layer's hot window in one
+    ``torch._foreach_copy_`` per kind (hf/hot_window.py): the pieces must be laid out as CUDA's
+    fast route wants them (``hot_window.launches``), and CUDA must then run one multi-tensor
+    kernel per copy, not a copy per layer."""
+    from transformers import AutoModelForCausalLM
+
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+    from kakeyaturbo.hf.hot_window import launches
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    ids = torch.randint(10, 500, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    cache = KakeyaCache.from_model(model, residual_length=64, hot_dtype=torch.bfloat16)
+    calls = []
+    real = torch._foreach_copy_
+
+    def spy(dsts, srcs, *args, **kw):
+        calls.append(launches(dsts, srcs))
+        return real(dsts, srcs, *args, **kw)
+
+    with torch.inference_mode():
+        model(ids[:, :290], **{CACHE_ARG: cache}, use_cache=True)
+        model(ids[:, 290:291], **{CACHE_ARG: cache}, use_cache=True)
+        monkeypatch.setattr(torch, "_foreach_copy_", spy)
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            model(ids[:, 291:292], **{CACHE_ARG: cache}, use_cache=True)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    multi = [name for name in kernels if "multi_tensor_apply" in name]
+    assert len(calls) >= 3 and set(calls) == {1}, calls
+    assert len(multi) == len(calls), multi

@@ -47,6 +47,24 @@ def test_rows_are_independent_and_slice_like_tensors():
     assert torch.equal(int8_rows.encode(x[:, :, 3:4]), held[:, :, 3:4])
 
 
+@pytest.mark.parametrize("encode", [int8_rows.encode, int8_rows.encode_torch])
+def test_rows_written_into_slots_of_a_store(encode):
+    """A hot window's slots take the rows in place: the same bytes, nothing else written."""
+    x = rows(3).permute(2, 0, 1, 3)  # token-major, as the window holds them
+    store = torch.full((50, 2, 3, 66), 7, dtype=torch.int8)
+    got = encode(x[:30], out=store[10:40])
+    assert got.data_ptr() == store[10].data_ptr()
+    assert torch.equal(store[10:40], int8_rows.encode(x[:30]))
+    assert bool((store[:10] == 7).all()) and bool((store[40:] == 7).all())
+    for bad in (
+        store[10:41],
+        torch.empty(30, 2, 3, 70, dtype=torch.int8)[..., :66],
+        store[10:40].float(),
+    ):
+        with pytest.raises(ValueError, match="int8 rows of"):
+            encode(x[:30], out=bad)
+
+
 def test_no_rows():
     """An empty hot window (a cache's first update) is a tensor of no rows."""
     held = int8_rows.encode(torch.ones(1, 3, 8, 64)[:, :, :0])
@@ -136,6 +154,13 @@ for rows in (x, x.bfloat16(), x.half(), x[..., :48], x[..., :5], x[:, :, :0]):
     finite = want[..., -2:].contiguous().view(torch.bfloat16).isfinite().squeeze(-1)
     assert torch.equal(got[finite], want[finite])
     checked += 1
+# Into a window's slots (a contiguous piece of a bigger store), the rest left as it was.
+store = torch.full((40, 2, 3, 66), 9, dtype=torch.int8)
+rows = x.permute(2, 0, 1, 3)[:30]
+assert fused.encode(rows, out=store[5:35]).data_ptr() == store[5].data_ptr()
+assert fused.same_rows(store[5:35], encode_torch(rows))
+assert bool((store[:5] == 9).all()) and bool((store[35:] == 9).all())
+checked += 1
 off = encode_torch(x)
 off[1, 2, 3, 4] += 1
 assert not fused.same_rows(fused.encode(x), off)
@@ -149,7 +174,7 @@ def test_the_triton_encoder_gives_the_torch_bytes_in_the_interpreter():
 
     if fused_int8_rows.triton is None:
         pytest.skip("Triton is not installed")
-    assert "row sets checked 6" in run_interpreted(FUSED)
+    assert "row sets checked 7" in run_interpreted(FUSED)
 
 
 def test_off_a_gpu_the_codec_encodes_and_a_disagreeing_kernel_is_dropped(monkeypatch):

@@ -54,14 +54,16 @@ def same_rows(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(same.all())
 
 
-def encode(x: torch.Tensor) -> torch.Tensor:
+def encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., D]`` floating -> ``[..., D + 2]`` int8: the codes, then the scale's two bytes
-    (little-endian), by the kernel."""
+    (little-endian), by the kernel; written into ``out`` where given (contiguous, of that
+    shape, as ``int8_rows.encode`` checks)."""
     if triton is None:
         raise RuntimeError("the fused int8 row encoder needs Triton, which is not installed")
     d = x.shape[-1]
     rows = x.reshape(-1, d).contiguous()
-    out = torch.empty(*x.shape[:-1], d + 2, dtype=torch.int8, device=x.device)
+    if out is None:
+        out = torch.empty(*x.shape[:-1], d + 2, dtype=torch.int8, device=x.device)
     if rows.shape[0]:
         _encode_kernel[(triton.cdiv(rows.shape[0], BLOCK_ROWS),)](
             rows,

@@ -40,7 +40,7 @@ from .layer import (
     StepInputs,
     _report,
     _storage_bytes,
-    flush_together,
+    finish_forward,
 )
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
 from .rope import ModelRope, rotary_spec_from_config
@@ -309,11 +309,16 @@ class KakeyaCache(Cache):
 
         def post_hook(module, args, kwargs, output):
             cache = ref()
-            if cache is not None:
-                step, cache._ctx.step = cache._ctx.step, StepInputs()
+            if cache is None:
+                return None
+            try:
+                # The appends and flushes that waited for the forward's end (after a failed
+                # forward too: the layers that took its tokens count them already).
+                finish_forward(cache._ctx.step)
+            finally:
+                cache._ctx.step = StepInputs()
                 if cache._active:
                     ACTIVE_STEP.reset(cache._active.pop())
-                flush_together(step.flushes)  # the layers that waited for the forward's end
             return None
 
         self._hook_handles = [

@@ -33,20 +33,24 @@ SCALE_BYTES = 2
 _LEVELS = 127
 
 
-def encode(x: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` floating -> ``[..., D + 2]`` int8 (codes, then the scale's bytes)."""
+def encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[..., D]`` floating -> ``[..., D + 2]`` int8 (codes, then the scale's bytes), written
+    into ``out`` where given (contiguous, of that shape: a hot window's slots) and returned."""
     if not x.is_floating_point():
         raise TypeError(f"int8 rows encode floating tensors, got {x.dtype}")
+    _check_out(x, out)
     if x.device.type == "cpu" and x.shape[-1] > 0:
         xf = x.detach().float().contiguous()
-        return torch.from_numpy(_core.int8_rows_encode(xf.numpy()))
+        rows = torch.from_numpy(_core.int8_rows_encode(xf.numpy()))
+        return rows if out is None else out.copy_(rows)
     if fused_int8_rows.usable(x, encode_torch):  # a GPU: one Triton kernel, the same bytes
-        return fused_int8_rows.encode(x)
-    return encode_torch(x)
+        return fused_int8_rows.encode(x, out)
+    return encode_torch(x, out)
 
 
-def encode_torch(x: torch.Tensor) -> torch.Tensor:
+def encode_torch(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`encode` in torch ops (any device): the same bits as the codec's."""
+    _check_out(x, out)
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / _LEVELS).to(torch.bfloat16)
     # A zero row gives 0/0, a row that is not finite inf/inf or x/inf: codes 0 either way.
@@ -54,7 +58,23 @@ def encode_torch(x: torch.Tensor) -> torch.Tensor:
     codes = codes.round_().clamp_(-_LEVELS, _LEVELS).to(torch.int8)
     # Through a flat copy: a tensor of no rows has no stride a dtype view accepts.
     scale_bytes = scale.reshape(-1).view(torch.int8).view(*scale.shape[:-1], SCALE_BYTES)
-    return torch.cat((codes, scale_bytes), dim=-1)
+    if out is None:
+        return torch.cat((codes, scale_bytes), dim=-1)
+    return torch.cat((codes, scale_bytes), dim=-1, out=out)
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Refuse an ``out`` that cannot hold ``x``'s rows as they are written (in order)."""
+    if out is None:
+        return
+    want = (*x.shape[:-1], x.shape[-1] + SCALE_BYTES)
+    if out.dtype != torch.int8 or tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(
+            f"int8 rows of {tuple(x.shape)} go into a contiguous int8 {want}, got "
+            f"{out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
+        )
+    if out.device != x.device:
+        raise ValueError(f"int8 rows of a tensor on {x.device} go to {x.device}, not {out.device}")
 
 
 def decode(held: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,11 @@ Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
       compressed, block_size tokens each    >= residual_length tokens: keys in the hot
                                             dtype, values as int8 rows (or in the hot dtype)
 
-New tokens land in the hot window. Whenever the hot window holds ``block_size`` tokens more than
+New tokens land in the hot window (``hot_window.py``: token-major stores with a little room, so
+a decode step appends in place). In a forward the cache's model hook sees, a few new tokens per
+row (a decode step's) wait for its end and go into every layer's window together
+(:func:`finish_forward`), in one copy per kind: on a GPU each layer's append was four small
+launches of its own. Whenever the hot window holds ``block_size`` tokens more than
 ``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
 (block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
 compresses in one pass, from the values the prompt brought; tokens that waited in the window
@@ -54,11 +58,15 @@ from . import heap, int8_rows
 from ._compat import CacheLayerMixin
 from .budget import DecodedBudget
 from .coded_attention import CodedView, LayerBlocks, reads_on_device
+from .hot_window import HotWindow, append_together, keep_together
 from .rope import RotarySpec
 
 #: ``KakeyaCache``'s default ``flush_together_bytes``: exact tokens (and their forwards'
 #: values) that flushes waiting for a forward's end may keep before they are coded together.
 DEFERRED_FLUSH_BYTES = 8 << 20
+#: A hooked forward of at most this many tokens per row (a decode step, a draft's check)
+#: appends them to the hot windows at its end, every layer's together (:func:`finish_forward`).
+APPEND_TOGETHER_TOKENS = 16
 
 
 @dataclass
@@ -82,9 +90,11 @@ class StepInputs:
     # Keys made ahead for a layer's attention (CodedView.prepare_next), by layer index:
     # (the LayerBlocks they were made from, the codec's PreparedKeys).
     prepared: dict = field(default_factory=dict)
-    # The cache's model hook made this forward's inputs, and calls flush_together on
-    # `flushes` (layers, with their forward's values, waiting to flush) at the forward's end.
+    # The cache's model hook made this forward's inputs, and calls finish_forward at its
+    # end: `appends` (layer, keys, values, positions: new tokens waiting to be appended to
+    # its hot window), then `flushes` (layers, with their forward's values, waiting to flush).
     hooked: bool = False
+    appends: list = field(default_factory=list)
     flushes: list = field(default_factory=list)
 
     def once(self, kind: str, key: Any, make: Callable[[], Any]) -> Any:
@@ -191,12 +201,8 @@ class KakeyaLayer(CacheLayerMixin):
         # Tensors below are None until the first update (typed Any: set by lazy_initialization).
         self.keys = self.values = None  # transformers' attribute; this layer holds no dense copy
         self.is_initialized = False
-        # The hot window, set together by _set_hot: [B, H, T_hot, D] in the hot dtype (the
-        # model's unless set; values as int8 rows [B, H, T_hot, D + 2] with int8_hot_values:
-        # read them through _hot_values); [B, T_hot] int32 positions, pre-RoPE mode only.
-        self._hot_k: Any = None
-        self._hot_v: Any = None
-        self._hot_pos: Any = None
+        # The hot window (hot_window.py), read through _hot_k, _hot_v and _hot_pos.
+        self._hot: HotWindow | None = None
         self._blocks: list[_Block] = []
         # Where attention reads the blocks off the CPU kernels (a model on a GPU), their only
         # copy, on that device: {"k": DeviceBlocks, "v": DeviceBlocks}; None where they are
@@ -235,9 +241,7 @@ class KakeyaLayer(CacheLayerMixin):
         pos = None
         if self._rope is not None:
             pos = torch.empty((b, 0), dtype=torch.int32, device=self.device)
-        self._set_hot(
-            key_states[:, :, :0].to(hot).clone(), self._held_values(value_states[:, :, :0]), pos
-        )
+        self._set_hot(key_states[:, :, :0].to(hot), self._held_values(value_states[:, :, :0]), pos)
         self.is_initialized = True
 
     @property
@@ -245,9 +249,26 @@ class KakeyaLayer(CacheLayerMixin):
         """Tokens held in compressed blocks."""
         return len(self._blocks) * self.block_size
 
+    @property
+    def _hot_k(self) -> Any:
+        """The hot window's keys ``[B, H, T_hot, D]`` in the hot dtype (the model's unless
+        set); a view, None before the first update."""
+        return None if self._hot is None else self._hot.keys
+
+    @property
+    def _hot_v(self) -> Any:
+        """Its values as held: in the hot dtype, or int8 rows ``[B, H, T_hot, D + 2]`` with
+        int8_hot_values (read them through _hot_values)."""
+        return None if self._hot is None else self._hot.values
+
+    @property
+    def _hot_pos(self) -> Any:
+        """Its ``[B, T_hot]`` int32 positions, pre-RoPE mode only (else None)."""
+        return None if self._hot is None else self._hot.positions
+
     def _set_hot(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> None:
-        """Make ``k``, ``v``, ``pos`` (owned by the layer from now on) the hot window."""
-        self._hot_k, self._hot_v, self._hot_pos = k, v, pos
+        """Make copies of ``k``, ``v`` (as held), ``pos`` the hot window."""
+        self._hot = HotWindow.of(k, v, pos)
 
     def _held_values(self, v: torch.Tensor) -> torch.Tensor:
         """Values ``[..., D]`` as the hot window holds them (a new tensor)."""
@@ -266,33 +287,15 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _keep_hot(self, lo: int, hi: int) -> None:
         """Keep hot tokens ``lo..hi`` only (copied: a view would keep the whole window)."""
-        pos = self._hot_pos
-        self._set_hot(
-            self._hot_k[:, :, lo:hi].clone(),
-            self._hot_v[:, :, lo:hi].clone(),
-            None if pos is None else pos[:, lo:hi].clone(),
-        )
+        self._hot = keep_together([(self._hot, lo, hi)])[0]
 
     def _append_hot(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> None:
-        """Append tokens to the hot window (as it holds them: the hot dtype, int8 rows). A copy of
-        the window per step: spare room to append in place would be bytes held (16 spare tokens
-        would be about 1% of what the cache holds at 8k tokens)."""
-        hot_k, hot_v, hot_pos = self._hot_k, self._hot_v, self._hot_pos
-        if not hot_k.shape[-2]:  # an empty window (a prompt's): the new tokens, copied once
-            self._set_hot(
-                k.to(hot_k.dtype, copy=True, memory_format=torch.contiguous_format),
-                self._held_values(v),
-                None if pos is None else pos.clone(),
-            )
-            return
-        b, h, t, d = hot_k.shape
-        keys = hot_k.new_empty((b, h, t + k.shape[-2], d))
-        torch.cat([hot_k, k], dim=-2, out=keys)  # cast as it copies: one op, not two
-        self._set_hot(
-            keys,
-            torch.cat([hot_v, self._held_values(v)], dim=-2),
-            None if pos is None else torch.cat([hot_pos, pos], dim=-1),
-        )
+        """Append tokens to the hot window, as it holds them (the hot dtype, int8 rows)."""
+        append_together([(self._hot, k, v, pos)], self._value_encoder())
+
+    def _value_encoder(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What turns values into the hot window's int8 rows (None: held as they are)."""
+        return int8_rows.encode if self._ctx.int8_hot_values else None
 
     def _held_blocks(self) -> LayerBlocks:
         """The blocks as attention over the codes reads them, built once per change of them."""
@@ -345,8 +348,14 @@ class KakeyaLayer(CacheLayerMixin):
             full_v = torch.cat([*old_v, hot_v, value_states], dim=-2)
             self._overwrite_sinks(full_k, full_v, 0, self.compressed_length, 0)
 
-        self._append_hot(key_states, value_states, positions)
         self._len += q
+        step = self._ctx.step
+        if step.hooked and 0 < q <= APPEND_TOGETHER_TOKENS:
+            # Appended, and flushed if due, at the forward's end with every layer's new tokens
+            # (finish_forward): this forward's attention reads them from `update`'s return.
+            step.appends.append((self, key_states, value_states, positions))
+            return full_k, full_v
+        self._append_hot(key_states, value_states, positions)
         self._flush(value_states)
         return full_k, full_v
 
@@ -713,13 +722,24 @@ class KakeyaLayer(CacheLayerMixin):
         }
 
     def _commit_flush(self, n: int, enc_k: list, enc_v: list) -> None:
-        """Hold ``n`` flushed blocks (their host streams, or None each where the layer holds them
-        on its device, added there already) and drop their tokens from the hot window."""
+        """Hold ``n`` flushed blocks (their host streams) and drop their tokens from the hot
+        window."""
+        self._add_blocks(n, enc_k, enc_v)
+        coded = self._flushed_bytes(n)
+        self._keep_hot(n * self.block_size, self._hot.length)
+        heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
+
+    def _add_blocks(self, n: int, enc_k: list, enc_v: list, host_pos: Any = None) -> None:
+        """Hold ``n`` flushed blocks, the oldest hot tokens (their host streams, or None each
+        where the layer holds them on its device, added there already); ``host_pos``: their
+        positions on the host where the caller read them already."""
         bs = self.block_size
         t = n * bs
         self._held = None
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        placed = [(None, b"")] * n if pos is None else _block_positions(pos, n, bs, self._ctx.step)
+        placed = [(None, b"")] * n
+        if pos is not None:
+            placed = _block_positions(pos, n, bs, self._ctx.step, host_pos)
         for j, (at, key) in enumerate(placed):
             blk = _Block(k=enc_k[j], v=enc_v[j], tokens=bs, pos=at, pos_key=key)
             self._blocks.append(blk)
@@ -727,11 +747,12 @@ class KakeyaLayer(CacheLayerMixin):
                 # Decoded into the buffer at the next update: the forward in flight still
                 # attends to the exact tokens, as it does without a buffer.
                 self._buf_pending.append(blk)
+
+    def _flushed_bytes(self, n: int) -> int:
+        """Bytes of exact tokens ``n`` flushed blocks held in the hot window."""
         k, v = self._hot_k, self._hot_v
         per_row = k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size()
-        coded = t * self._rows * self._heads * per_row
-        self._keep_hot(t, k.shape[-2])
-        heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
+        return n * self.block_size * self._rows * self._heads * per_row
 
     def _holds_on_device(self) -> bool:
         """Whether the layer's blocks go to its device only: where attention over the codes
@@ -900,12 +921,7 @@ class KakeyaLayer(CacheLayerMixin):
             else:
                 self._drop_buffer()
                 self._buf_refused = False
-        pos = self._hot_pos
-        self._set_hot(
-            self._hot_k.index_select(0, rows_dev),
-            self._hot_v.index_select(0, rows_dev),
-            None if pos is None else pos.index_select(0, rows_dev),
-        )
+        self._hot = self._hot.select_rows(rows_dev)
         if self._sink_idx is not None:
             self._set_sink_slots(self._sink_slots.index_select(0, rows.cpu()))
             self._sink_k = self._sink_k.index_select(0, rows_dev)
@@ -944,13 +960,16 @@ def _sink_slots(s: int, b: int, start: int, q: int, mask: torch.Tensor | None) -
     return idx, int(idx.max()) + 1, mask
 
 
-def _block_positions(pos: torch.Tensor, n: int, bs: int, step: StepInputs) -> list:
+def _block_positions(
+    pos: torch.Tensor, n: int, bs: int, step: StepInputs, host: torch.Tensor | None = None
+) -> list:
     """Each of ``n`` flushed blocks' stored positions (``_Block.pos``) and their bytes, from the
-    flush's ``pos`` ``[B, n * bs]``: where every block's run on consecutively (the usual case),
-    each row's first position of each block, all blocks' in one tensor (one op on the device)
-    that the blocks hold views of; else each block's own copy. The layers of a forward flush
-    equal positions: what the host reads of them is made once (``step``)."""
-    host = pos.cpu()
+    flush's ``pos`` ``[B, n * bs]`` (``host``: the same on the host, if read already): where
+    every block's run on consecutively (the usual case), each row's first position of each
+    block, all blocks' in one tensor (one op on the device) that the blocks hold views of; else
+    each block's own copy. The layers of a forward flush equal positions: what the host reads
+    of them is made once (``step``)."""
+    host = pos.cpu() if host is None else host
     key = (n, bs, tuple(host.shape), host.numpy().tobytes())
     runs, keys = step.once("block positions", key, lambda: _position_keys(host, n, bs))
     if all(runs):
@@ -996,9 +1015,45 @@ def flush_together(waiting: list[tuple[KakeyaLayer, torch.Tensor]]) -> None:
         )
         for s in ("k", "v")
     }
+    hosts = _host_positions([(layer, n * layer.block_size) for layer, n, _, _ in jobs])
     for i, (layer, n, _, _) in enumerate(jobs):
         layer._hold_on_device({s: coded[s][i] for s in coded})
-        layer._commit_flush(n, [None] * n, [None] * n)
+        layer._add_blocks(n, [None] * n, [None] * n, hosts[i])
+    coded_bytes = sum(layer._flushed_bytes(n) for layer, n, _, _ in jobs)
+    tails = [(layer._hot, n * layer.block_size, layer._hot.length) for layer, n, _, _ in jobs]
+    for (layer, _, _, _), kept in zip(jobs, keep_together(tails)):
+        layer._hot = kept
+    heap.release_after(coded_bytes)
+
+
+def _host_positions(flushed: list[tuple[KakeyaLayer, int]]) -> list:
+    """The positions of each ``(layer, t)``'s oldest ``t`` hot tokens on the host, ``[B,
+    t]`` (None each without positions): from a device, in one copy for all of them (a wait
+    each on a GPU otherwise)."""
+    stores = [layer._hot.pos_store for layer, _ in flushed]
+    if any(s is None for s in stores):
+        return [None] * len(flushed)
+    pieces = [s[:t] for s, (_, t) in zip(stores, flushed)]
+    if pieces[0].device.type == "cpu":
+        return [p.t() for p in pieces]
+    host = torch.cat([p.reshape(-1) for p in pieces]).cpu()
+    split = host.split([p.numel() for p in pieces])
+    return [h.view(p.shape).t() for h, p in zip(split, pieces)]
+
+
+def finish_forward(step: StepInputs) -> None:
+    """A hooked forward's end: the layers' new tokens that waited, appended to their hot windows
+    together (``hot_window.append_together``: a handful of ops for all layers, where each
+    layer's append was four), the flushes that makes due, and every flush waiting
+    (:func:`flush_together`)."""
+    appends, step.appends = step.appends, []
+    if appends:
+        encode = appends[0][0]._value_encoder()
+        append_together([(layer._hot, k, v, pos) for layer, k, v, pos in appends], encode)
+        for layer, _, v, _ in appends:
+            layer._flush(v)
+    flushes, step.flushes = step.flushes, []
+    flush_together(flushes)
 
 
 def _row_index(index: Any, name: str) -> torch.Tensor:
