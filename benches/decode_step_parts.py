@@ -25,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench_args import add_model_and_text  # benches/, beside this script
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf import cache as hf_cache
 from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.hf.coded_attention import CodedView
 from kakeyaturbo.hf.layer import KakeyaLayer
@@ -36,13 +37,15 @@ PARTS = (
     (Pipeline, ("key_logits", "value_sums", "attend", "joint_scales")),
     (CodedView, ("attend", "_joint_logits", "_joint_value_sums", "_codec_logits")),
     (KakeyaLayer, ("update", "_append_hot", "_flush")),
+    # A hooked forward's end: the layers' appends together, the flushes they make due.
+    (hf_cache, ("finish_forward",)),
 )
 
 
 @contextmanager
 def timers(seconds: dict):
-    """Wraps the methods of ``PARTS`` and the models' attention functions so each adds its
-    time to ``seconds[name]`` (restored on exit)."""
+    """Wraps the methods (and module functions) of ``PARTS`` and the models' attention
+    functions so each adds its time to ``seconds[name]`` (restored on exit)."""
     saved = []
 
     def wrap(name, fn):
@@ -58,7 +61,8 @@ def timers(seconds: dict):
     for cls, names in PARTS:
         for n in names:
             saved.append((cls, n, cls.__dict__[n]))
-            setattr(cls, n, wrap(f"{cls.__name__}.{n}", cls.__dict__[n]))
+            label = cls.__name__.rsplit(".", 1)[-1]  # a class's name, or a module's last
+            setattr(cls, n, wrap(f"{label}.{n}", cls.__dict__[n]))
     attention = {n: ALL_ATTENTION_FUNCTIONS[n] for n in ("sdpa", KAKEYA_ATTENTION)}
     for n, fn in attention.items():
         ALL_ATTENTION_FUNCTIONS[n] = wrap(f"attention ({n})", fn)
