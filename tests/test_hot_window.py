@@ -99,6 +99,14 @@ def test_stores_made_in_inference_mode_are_not_written_outside_it():
     assert not w.keys_store.is_inference() and w.room() > 0
 
 
+def test_positions_go_with_a_windows_tokens_and_only_there():
+    k = model_states(1, 2, 1, 4, 0)
+    with pytest.raises(ValueError, match="positions"):
+        append_together([(empty(1, 2, 4, int8=False), k, k, None)])
+    with pytest.raises(ValueError, match="positions"):
+        append_together([(empty(1, 2, 4, int8=False, pos=False), k, k, torch.zeros(1, 1))])
+
+
 def test_launches_follows_cudas_fast_route():
     store = torch.empty(20, 2, 3, 8, dtype=torch.bfloat16)
     k = model_states(2, 3, 1, 8, 0)  # float32: the copy casts, as the route allows

@@ -13,8 +13,8 @@ store, laid out as the model makes its keys and values (``[B, q, H, D]`` before 
 So every layer's new tokens go into their windows in one ``torch._foreach_copy_`` per kind,
 which a GPU runs as one launch where the pieces are dense with equal strides; and the tail a
 flush keeps is one dense piece of each store too. A decode step appending layer by layer
-took four ops per layer (a copy of each window, the values' encoding): a third of its cache's
-ops on SmolLM2.
+took four ops per layer (a copy of each window, the values' encoding): more than a third of
+its cache's ops on SmolLM2.
 
 Why room: appending in place instead of copying the window each step. Room is bytes held,
 so a store is made with 1 to :data:`ROOM` slots spare (16 tokens: about 1% of what the cache
@@ -93,15 +93,18 @@ class HotWindow:
 
 def append_together(
     items: Sequence[tuple[HotWindow, torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    encode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    encode: Callable[..., torch.Tensor] | None = None,
 ) -> None:
     """Append to each window its forward's new tokens, ``(window, k, v, pos)``: ``k`` ``[B, H,
     q, D]`` and ``v`` ``[B, H, q, Dv]`` as the model gave them (cast as they are copied),
-    ``pos`` ``[B, q]`` or None. ``encode`` makes the rows the windows hold from values ``[...,
-    Dv]`` (int8 rows), in one call for all the windows' values of a shape; None: the values
-    are held as they are. A window without room grows first (one copy per kind for all)."""
+    ``pos`` ``[B, q]`` where the window holds positions, else None. ``encode(values, out=)``
+    makes the rows the windows hold from values ``[..., Dv]`` (``int8_rows.encode``), in one
+    call for all the windows' values of a shape; None: the values are held as they are. A
+    window without room grows first (one copy per kind for all)."""
     if not items:
         return
+    if any((pos is None) != (w.pos_store is None) for w, _, _, pos in items):
+        raise ValueError("a hot window holding positions takes them with its tokens, and only then")
     short = [(w, w.length + k.shape[-2]) for w, k, _, _ in items if w.room() < k.shape[-2]]
     if short:
         _grow(short)
@@ -180,11 +183,6 @@ def _encoded(values: list[torch.Tensor], encode: Callable, slots: list[torch.Ten
 def _token_major(x: torch.Tensor) -> torch.Tensor:
     """``[B, H, n, D]`` -> ``[n, B, H, D]`` (a view)."""
     return x.permute(2, 0, 1, 3)
-
-
-def _batch_major(x: torch.Tensor) -> torch.Tensor:
-    """``[n, B, H, D]`` -> ``[B, H, n, D]`` (a view)."""
-    return x.permute(1, 2, 0, 3)
 
 
 def launches(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> int:

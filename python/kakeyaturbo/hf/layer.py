@@ -293,7 +293,7 @@ class KakeyaLayer(CacheLayerMixin):
         """Append tokens to the hot window, as it holds them (the hot dtype, int8 rows)."""
         append_together([(self._hot, k, v, pos)], self._value_encoder())
 
-    def _value_encoder(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def _value_encoder(self) -> Callable[..., torch.Tensor] | None:
         """What turns values into the hot window's int8 rows (None: held as they are)."""
         return int8_rows.encode if self._ctx.int8_hot_values else None
 
