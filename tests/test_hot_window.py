@@ -4,20 +4,14 @@ its end in one copy per kind (one launch each on a GPU), with the same cache as 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kakeyaturbo as kt
+from kakeyaturbo.capture import read_tokens
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, hot_window, int8_rows
 from kakeyaturbo.hf import layer as layer_module
 from kakeyaturbo.hf.hot_window import ROOM, HotWindow, append_together, keep_together, launches
-
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared"
-MODEL_DIR = SHARED / "models" / "kt-ref-a"
-TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 
 
 def model_states(b: int, h: int, q: int, d: int, seed: int) -> torch.Tensor:
@@ -126,21 +120,15 @@ def test_launches_follows_cudas_fast_route():
 
 # ---- in a hooked forward (the reference model) ------------------------------------------------
 
-model_tests = pytest.mark.skipif(
-    not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"
-)
+
+@pytest.fixture(scope="module")
+def model(model_and_tok):
+    return model_and_tok[0]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
-
-
-@pytest.fixture(scope="module")
-def ids():
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    text = TEXT.read_text(encoding="utf-8")[5000:40000]
-    return tok(text, return_tensors="pt").input_ids[:, :300]
+def ids(model_and_tok, eval_text):
+    return torch.tensor([read_tokens(model_and_tok[1], eval_text, 300, offset_chars=5000)])
 
 
 def cache_for(model) -> KakeyaCache:
@@ -166,7 +154,6 @@ def run(model, cache, tokens, position_ids):
     return out.logits[:, -1]
 
 
-@model_tests
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_forwards_appends_wait_for_its_end_and_go_together(model, ids, monkeypatch):
     # Decode steps through a hooked cache: each layer's hot window is unchanged until the
@@ -218,7 +205,6 @@ def test_a_forwards_appends_wait_for_its_end_and_go_together(model, ids, monkeyp
     assert n > 1
 
 
-@model_tests
 @pytest.mark.usefixtures("one_torch_thread")
 def test_a_failed_forward_still_appends_what_its_layers_took(model, ids, monkeypatch):
     # Layers count a forward's tokens as they take them; the appends that wait for its end

@@ -688,7 +688,7 @@ class KakeyaLayer(CacheLayerMixin):
             pipe, li = self._ctx.pipeline, self.layer_idx
             sinks, spans = self._flush_spans(n, new_v)
             enc_k, enc_v = (pipe.encode(x, li, s, p, sinks) for s, (x, p) in spans.items())
-            self._commit_flush(n, enc_k, enc_v)
+            _commit_flushes([(self, n, enc_k, enc_v)])
             return
         step = self._ctx.step
         if not step.hooked:
@@ -721,25 +721,18 @@ class KakeyaLayer(CacheLayerMixin):
             "v": (self._flushed_values(t, new_v), None),
         }
 
-    def _commit_flush(self, n: int, enc_k: list, enc_v: list) -> None:
-        """Hold ``n`` flushed blocks (their host streams) and drop their tokens from the hot
-        window."""
-        self._add_blocks(n, enc_k, enc_v)
-        coded = self._flushed_bytes(n)
-        self._keep_hot(n * self.block_size, self._hot.length)
-        heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
-
-    def _add_blocks(self, n: int, enc_k: list, enc_v: list, host_pos: Any = None) -> None:
+    def _add_blocks(self, n: int, enc_k: list, enc_v: list, host_pos: Any) -> None:
         """Hold ``n`` flushed blocks, the oldest hot tokens (their host streams, or None each
         where the layer holds them on its device, added there already); ``host_pos``: their
-        positions on the host where the caller read them already."""
+        positions on the host (None without positions). :func:`_commit_flushes` then drops
+        their tokens from the hot window."""
         bs = self.block_size
         t = n * bs
         self._held = None
         pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
         placed = [(None, b"")] * n
         if pos is not None:
-            placed = _block_positions(pos, n, bs, self._ctx.step, host_pos)
+            placed = _block_positions(pos, host_pos, n, bs, self._ctx.step)
         for j, (at, key) in enumerate(placed):
             blk = _Block(k=enc_k[j], v=enc_v[j], tokens=bs, pos=at, pos_key=key)
             self._blocks.append(blk)
@@ -960,16 +953,13 @@ def _sink_slots(s: int, b: int, start: int, q: int, mask: torch.Tensor | None) -
     return idx, int(idx.max()) + 1, mask
 
 
-def _block_positions(
-    pos: torch.Tensor, n: int, bs: int, step: StepInputs, host: torch.Tensor | None = None
-) -> list:
+def _block_positions(pos: torch.Tensor, host: torch.Tensor, n: int, bs: int, step) -> list:
     """Each of ``n`` flushed blocks' stored positions (``_Block.pos``) and their bytes, from the
-    flush's ``pos`` ``[B, n * bs]`` (``host``: the same on the host, if read already): where
-    every block's run on consecutively (the usual case), each row's first position of each
-    block, all blocks' in one tensor (one op on the device) that the blocks hold views of; else
-    each block's own copy. The layers of a forward flush equal positions: what the host reads
-    of them is made once (``step``)."""
-    host = pos.cpu() if host is None else host
+    flush's ``pos`` ``[B, n * bs]`` (``host``: the same on the host): where every block's run
+    on consecutively (the usual case), each row's first position of each block, all blocks' in
+    one tensor (one op on the device) that the blocks hold views of; else each block's own
+    copy. The layers of a forward flush equal positions: what the host reads of them is made
+    once (``step``, the forward's :class:`StepInputs`)."""
     key = (n, bs, tuple(host.shape), host.numpy().tobytes())
     runs, keys = step.once("block positions", key, lambda: _position_keys(host, n, bs))
     if all(runs):
@@ -1015,15 +1005,23 @@ def flush_together(waiting: list[tuple[KakeyaLayer, torch.Tensor]]) -> None:
         )
         for s in ("k", "v")
     }
-    hosts = _host_positions([(layer, n * layer.block_size) for layer, n, _, _ in jobs])
-    for i, (layer, n, _, _) in enumerate(jobs):
+    for i, (layer, _, _, _) in enumerate(jobs):
         layer._hold_on_device({s: coded[s][i] for s in coded})
-        layer._add_blocks(n, [None] * n, [None] * n, hosts[i])
-    coded_bytes = sum(layer._flushed_bytes(n) for layer, n, _, _ in jobs)
-    tails = [(layer._hot, n * layer.block_size, layer._hot.length) for layer, n, _, _ in jobs]
-    for (layer, _, _, _), kept in zip(jobs, keep_together(tails)):
+    _commit_flushes([(layer, n, [None] * n, [None] * n) for layer, n, _, _ in jobs])
+
+
+def _commit_flushes(done: list[tuple[KakeyaLayer, int, list, list]]) -> None:
+    """Hold each ``(layer, n, enc_k, enc_v)``'s ``n`` flushed blocks (:meth:`KakeyaLayer.
+    _add_blocks`) and drop their tokens from its hot window: their positions read to the host
+    in one copy, the windows' tails kept in one copy per kind, the heap trimmed once after."""
+    hosts = _host_positions([(layer, n * layer.block_size) for layer, n, _, _ in done])
+    for (layer, n, enc_k, enc_v), host in zip(done, hosts):
+        layer._add_blocks(n, enc_k, enc_v, host)
+    coded = sum(layer._flushed_bytes(n) for layer, n, _, _ in done)
+    tails = [(layer._hot, n * layer.block_size, layer._hot.length) for layer, n, _, _ in done]
+    for (layer, _, _, _), kept in zip(done, keep_together(tails)):
         layer._hot = kept
-    heap.release_after(coded_bytes)
+    heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
 
 
 def _host_positions(flushed: list[tuple[KakeyaLayer, int]]) -> list:
