@@ -347,6 +347,40 @@ def test_whole_attention_refuses_bad_inputs_by_name():
         call(heads=2, exact_queries=half)
 
 
+def test_heads_scales_as_codes_are_the_scales_decoded():
+    """Streams coded across heads: a cache hands each head's token-norm codes over as it holds
+    them (``key_scales`` / ``value_scales`` as ``(codes, bounds)``), and the codec decodes them
+    in the call: the bits of attention with the scales decoded first. Codes of too few tokens
+    and hostile bounds are refused by name."""
+    encs, y = coded_stream_major(8)
+    s, t, heads = ROWS * HEADS, y.shape[1], 2
+    g = torch.Generator().manual_seed(21)
+    rows, d = 2 * heads, D // heads
+    q = torch.randn(s, rows, D, generator=g).numpy()
+    own = torch.randn(s, rows, d, generator=g).numpy()
+    ex = torch.randn(s * heads, 3, d, generator=g).numpy()
+    frames = (torch.randn(heads, D, d, generator=g) / 8).numpy()
+    codes, _ = norm_code_arrays(torch.rand(s * heads, t, generator=g) + 0.5)
+    scales = decode_norm_codes(codes, s * heads).reshape(s, heads, t)
+
+    def call(ks, vs):
+        return coded_attend(
+            encs, encs, s, q, ex, ex, 0.125, value_frames=frames, heads=heads,
+            exact_queries=own, key_scales=ks, value_scales=vs,
+        )
+
+    want = call(scales, scales)
+    np.testing.assert_array_equal(call(codes, codes), want)
+    np.testing.assert_array_equal(call(codes, scales), want)
+    assert not np.array_equal(call(None, codes), want)
+    with pytest.raises(ValueError, match="key_scales"):
+        call((codes[0][:2], codes[1][:2]), None)  # two of the three blocks
+    hostile = [b.copy() for b in codes[1]]
+    hostile[0][1, 1] = np.inf
+    with pytest.raises(kt.FormatError, match="value_scales"):
+        call(None, (codes[0], hostile))
+
+
 @pytest.mark.parametrize("torch_threads", [1, 2])
 def test_callers_on_several_threads_get_what_one_caller_gets(torch_threads):
     """Every calling thread runs the kernels on a rayon pool of its own, the caller one of its

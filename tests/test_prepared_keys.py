@@ -69,6 +69,7 @@ def attend(inp, precision, prepared=None, **kw):
         rotation=kw.get("rotation", inp["rotation"]),
         precision=precision,
         prepared=prepared,
+        rotation_repeats=kw.get("repeats", 1),
     )
 
 
@@ -80,6 +81,7 @@ def prepare(inp, precision, background, **kw):
         rotation=kw.get("rotation", inp["rotation"]),
         precision=precision,
         background=background,
+        rotation_repeats=kw.get("repeats", 1),
     )
 
 
@@ -121,6 +123,25 @@ def test_prepared_keys_refuse_other_inputs_by_name(inputs):
         prepare(inputs, "float32", background=True, frames=inputs["frames"][:, 1:].copy())
     with pytest.raises(ValueError, match="precision"):
         prepare(inputs, "int8", background=True)
+
+
+def test_repeated_rotation_turns_as_the_table_spelled_out(inputs):
+    """Keys coded across heads lay every head's RoPE pairs side by side, turned alike: one
+    head's table repeated by the kernels (``rotation_repeats``) gives the bits of the table
+    spelled out, prepared or not, and keys prepared with other repeats are refused."""
+    one = np.ascontiguousarray(inputs["rotation"][..., : D // 4])  # 16 of the 32 pairs
+    spelled = np.ascontiguousarray(np.concatenate([one, one], axis=-1))
+    for precision in ("float32", "int16"):
+        want = attend(inputs, precision, rotation=spelled)
+        assert not np.array_equal(attend(inputs, precision, rotation=one), want)
+        np.testing.assert_array_equal(attend(inputs, precision, rotation=one, repeats=2), want)
+        made = prepare(inputs, precision, background=False, rotation=one, repeats=2)
+        got = attend(inputs, precision, made, rotation=one, repeats=2)
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="other rotation"):
+        attend(inputs, "int16", made, rotation=one)
+    with pytest.raises(ValueError, match="repeated 3 times"):  # 48 pairs of 32
+        attend(inputs, "float32", rotation=one, repeats=3)
 
 
 def test_no_background_preparation_on_torch_threads(inputs):

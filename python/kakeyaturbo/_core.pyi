@@ -162,6 +162,7 @@ def coded_key_logits(
     rotation: Optional[npt.NDArray[np.float32]] = None,
     norms: Optional[_Norms] = None,
     precision: str = "float32",
+    rotation_repeats: int = 1,
 ) -> npt.NDArray[np.float32]: ...
 def coded_value_sums(
     encs: Sequence[EncodedLayer],
@@ -192,10 +193,11 @@ def coded_attend(
     softcap: Optional[float] = None,
     heads: int = 1,
     exact_queries: Optional[npt.NDArray[np.float32]] = None,
-    key_scales: Optional[npt.NDArray[np.float32]] = None,
-    value_scales: Optional[npt.NDArray[np.float32]] = None,
+    key_scales: Optional[Union[npt.NDArray[np.float32], _Norms]] = None,
+    value_scales: Optional[Union[npt.NDArray[np.float32], _Norms]] = None,
     precision: str = "float32",
     prepared: Optional[PreparedKeys] = None,
+    rotation_repeats: int = 1,
 ) -> npt.NDArray[np.float32]: ...
 @final
 class PreparedKeys:
@@ -209,6 +211,7 @@ def prepare_keys(
     rotation: Optional[npt.NDArray[np.float32]] = None,
     precision: str = "float32",
     background: bool = True,
+    rotation_repeats: int = 1,
 ) -> Optional[PreparedKeys]: ...
 def bf16_products(head_dim: int) -> bool: ...
 def int16_products(head_dim: int) -> bool: ...

@@ -261,22 +261,32 @@ def coded_key_logits(
     rotation: Optional[np.ndarray] = None,
     norms: Optional[np.ndarray] = None,
     precision: str = "float32",
+    rotation_repeats: int = 1,
 ) -> np.ndarray:
     """Attention logits ``[streams, g, tokens]`` of ``queries`` ``[streams, g, head_dim]``
     against coded keys, without a decoded copy: ``q . rope_t(y_t @ frames[s % heads]) *
     norms[s, t] / |y_t|``. ``encs`` holds ``streams`` streams one after the other, each
     stream's blocks in token order; ``frames`` ``[heads, head_dim, head_dim]`` (None:
     identity); ``rotation`` ``[rows or 1, tokens, 2, pairs]``, the cosines then the sines
-    turning channels ``(i, i + pairs)`` (None: no RoPE); ``norms`` ``[streams, tokens]`` (None:
-    no scale). float32, C-contiguous. ``precision``: the frame product's arithmetic, the
-    costliest part: ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as
-    16-bit integers with scales per block, 11-13 bits of each, exact int32 sums; the mean's
-    product in float32) where :func:`int16_products` says the CPU has AVX512-VNNI; or
-    ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where :func:`bf16_products` says
-    it multiplies bfloat16 natively. Both run at twice the float32 rate there and run the
-    float32 product elsewhere."""
+    turning channels ``(i, i + P)`` (None: no RoPE), ``P = pairs * rotation_repeats``, pair
+    ``i`` by angle ``i % pairs`` (keys coded across heads: every head's pairs side by side,
+    turned alike, from one head's table); ``norms`` ``[streams, tokens]`` (None: no scale).
+    float32, C-contiguous. ``precision``: the frame product's arithmetic, the costliest part:
+    ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as 16-bit integers
+    with scales per block, 11-13 bits of each, exact int32 sums; the mean's product in
+    float32) where :func:`int16_products` says the CPU has AVX512-VNNI; or ``"bfloat16"``
+    (both rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
+    bfloat16 natively. Both run at twice the float32 rate there and run the float32 product
+    elsewhere."""
     return _core.coded_key_logits(
-        _raws(encs), streams, queries, frames, rotation, norms, precision=precision
+        _raws(encs),
+        streams,
+        queries,
+        frames,
+        rotation,
+        norms,
+        precision=precision,
+        rotation_repeats=rotation_repeats,
     )
 
 
@@ -334,10 +344,11 @@ def coded_attend(
     softcap: Optional[float] = None,
     heads: int = 1,
     exact_queries: Optional[np.ndarray] = None,
-    key_scales: Optional[np.ndarray] = None,
-    value_scales: Optional[np.ndarray] = None,
+    key_scales: Any = None,
+    value_scales: Any = None,
     precision: str = "float32",
     prepared: Optional[_core.PreparedKeys] = None,
+    rotation_repeats: int = 1,
 ) -> np.ndarray:
     """One whole attention ``[streams, rows, head_dim]`` of ``queries`` ``[streams, rows,
     head_dim]`` over coded keys and values (laid out as for :func:`coded_key_logits`) followed
@@ -359,10 +370,13 @@ def coded_attend(
     ``[streams, rows, head_dim]`` each row over its own head's channels, in the exact keys'
     order; the exact runs ``[streams * heads, exact, head_dim]``; ``value_frames`` ``[heads,
     heads * head_dim, head_dim]``; ``key_scales`` / ``value_scales`` ``[streams, heads,
-    tokens]`` each head's scale of the coded keys and values (None: 1). ``precision``: the key
-    frame product's arithmetic, as for :func:`coded_key_logits`. ``prepared``: the keys made
-    ahead by :func:`prepare_keys` from the same blocks, ``key_frames``, ``rotation`` (the same
-    array) and ``precision`` (a ValueError names what differs); the result is the same bits."""
+    tokens]`` each head's scale of the coded keys and values, or their one-byte codes as
+    ``(codes, bounds)`` lists with ``streams * heads`` rows per block, decoded in the call
+    (None: 1). ``precision`` and
+    ``rotation_repeats``: as for :func:`coded_key_logits`. ``prepared``: the keys made ahead by
+    :func:`prepare_keys` from the same blocks, ``key_frames`` of equal values, the same
+    ``rotation`` array (repeated alike) and ``precision`` (a ValueError names what differs);
+    the result is the same bits."""
     return _core.coded_attend(
         _raws(key_encs),
         _raws(value_encs),
@@ -384,6 +398,7 @@ def coded_attend(
         value_scales=value_scales,
         precision=precision,
         prepared=prepared,
+        rotation_repeats=rotation_repeats,
     )
 
 
@@ -395,15 +410,23 @@ def prepare_keys(
     rotation: Optional[np.ndarray] = None,
     precision: str = "float32",
     background: bool = True,
+    rotation_repeats: int = 1,
 ) -> Optional[_core.PreparedKeys]:
     """The query-independent part of :func:`coded_attend`'s key logits (decoding the codes, the
-    frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation`` and ``precision`` as
+    frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation`` (``rotation_repeats``)
+    and ``precision`` as
     :func:`coded_attend` will take them, made ahead. With ``background`` it runs on a worker of
     the codec's pool while the caller goes on (in a decode step: while torch runs the model on
     one thread) and returns None where no worker would be idle for it (the codec on torch's
     threads, or a pool of one thread); attention computes whatever is not made yet itself.
-    Without it every block is made before it returns. Do not write to ``rotation`` while the
-    result lives: it is read in place."""
+    Without it every block is made before it returns. Do not write to ``key_frames`` or
+    ``rotation`` while the result lives: they are read in place."""
     return _core.prepare_keys(
-        _raws(key_encs), streams, key_frames, rotation, precision, background
+        _raws(key_encs),
+        streams,
+        key_frames,
+        rotation,
+        precision,
+        background,
+        rotation_repeats=rotation_repeats,
     )

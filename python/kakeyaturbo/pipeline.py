@@ -104,6 +104,9 @@ class BlockRun:
     norms: Any  # (codes, bounds) lists as the kernels take token norms, or None
     tokens: int
     blocks: tuple = ()  # the CodedBlocks laid out
+    # Blocks coded across heads with token norms: each head's scale codes as (codes, bounds)
+    # lists (Pipeline.joint_scales; attention decodes them itself), else None.
+    scales: Any = None
 
 
 def _fits_frame(x: torch.Tensor) -> bool:
@@ -446,8 +449,8 @@ class Pipeline:
             return _coded_norms(blocks)
         parts = blocks.blocks if isinstance(blocks, BlockRun) else blocks
         rows, heads, _ = parts[0].norms.codes.shape  # type: ignore[union-attr]
-        arrays = [blk.norms.arrays() for blk in parts]  # type: ignore[union-attr]
-        codes = ([c for c, _ in arrays], [b for _, b in arrays])
+        codes = blocks.scales if isinstance(blocks, BlockRun) else None
+        codes = _norm_code_lists(parts) if codes is None else codes
         return torch.from_numpy(_codec.decode_norm_codes(codes, rows * heads)).view(rows, heads, -1)
 
     def joint_frame(
@@ -535,12 +538,14 @@ class Pipeline:
         frames: Optional[torch.Tensor],
         rotation: Optional[torch.Tensor],
         precision: str = "float32",
+        rotation_repeats: int = 1,
     ) -> torch.Tensor:
         """Attention logits ``[rows, H, G, T]`` of ``queries`` ``[rows, H, G, D]`` against the
         keys coded in ``blocks``, computed by the codec block by block with no decoded copy:
         ``q . rope_t(y_t @ frames[h])``, times the token-norm scale of :meth:`decode_codes`.
         ``frames`` ``[H, D, D]`` (None: identity); ``rotation`` ``[rows or 1, T, 2, pairs]``,
-        the cosines then the sines turning channel pairs ``(i, i + pairs)`` (None: no RoPE).
+        the cosines then the sines turning channel pairs ``(i, i + P)``, ``P = pairs *
+        rotation_repeats``, pair ``i`` by angle ``i % pairs`` (None: no RoPE).
         ``precision``: the frame product's arithmetic (``codec.coded_key_logits``). CPU
         float32."""
         run = self.run_of(blocks, "k")
@@ -553,6 +558,7 @@ class Pipeline:
             _np_or_none(rotation),
             run.norms,
             precision=precision,
+            rotation_repeats=rotation_repeats,
         )
         return torch.from_numpy(logits).view(rows, h, g, -1)
 
@@ -589,6 +595,7 @@ class Pipeline:
         value_scales: Optional[torch.Tensor] = None,
         precision: str = "float32",
         prepared: Any = None,
+        rotation_repeats: int = 1,
     ) -> torch.Tensor:
         """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
         keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
@@ -599,8 +606,9 @@ class Pipeline:
         are read as held, with no float32 copy).
         ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
         (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
-        few query rows of a decode step. ``precision``: the key frame product's arithmetic
-        (``codec.coded_key_logits``). CPU float32.
+        few query rows of a decode step. ``precision``: the key frame product's arithmetic,
+        ``rotation_repeats`` as :meth:`key_logits` takes it (``codec.coded_key_logits``). CPU
+        float32.
 
         Blocks coded across ``heads`` KV heads (one stream of ``heads * D`` coordinates per
         row): ``queries`` ``[rows, 1, G, heads * D]`` are the wide queries in the key frame's
@@ -608,7 +616,9 @@ class Pipeline:
         ``[rows, heads, G / heads, D]`` each row over its own head's channels, in the exact
         keys' order; ``exact`` runs ``[rows, heads, n_i, D]``; ``value_frames`` ``[heads,
         heads * D, D]`` (:meth:`joint_head_frames`); ``key_scales`` / ``value_scales``
-        ``[rows, heads, T]`` (:meth:`joint_scales`). The output is then ``[rows, 1, G, D]``.
+        ``[rows, heads, T]`` (:meth:`joint_scales`), or their codes as a :class:`BlockRun`
+        holds them (``scales``), which the codec decodes itself. The output is then ``[rows,
+        1, G, D]``.
         ``prepared``: the keys made ahead by :meth:`prepare_keys` with the same blocks,
         ``key_frames``, ``rotation`` (the same tensor) and ``precision``; the same bits."""
         kr, vr = self.run_of(kv_blocks[0], "k"), self.run_of(kv_blocks[1], "v")
@@ -636,10 +646,11 @@ class Pipeline:
             softcap=softcap,
             heads=heads,
             exact_queries=_np_or_none(exact_queries),
-            key_scales=_np_or_none(key_scales),
-            value_scales=_np_or_none(value_scales),
+            key_scales=_scales_arg(key_scales),
+            value_scales=_scales_arg(value_scales),
             precision=precision,
             prepared=prepared,
+            rotation_repeats=rotation_repeats,
         )
         return torch.from_numpy(out).view(rows, h, g, d)
 
@@ -651,12 +662,14 @@ class Pipeline:
         rotation: Optional[torch.Tensor] = None,
         precision: str = "float32",
         background: bool = True,
+        rotation_repeats: int = 1,
     ) -> Any:
         """The keys of ``key_blocks`` as :meth:`attend` makes them from ``key_frames``,
-        ``rotation`` and ``precision`` (decoded, through the frame, turned by RoPE), made ahead
-        (``codec.prepare_keys``): on an idle worker of the codec's pool with ``background``
-        (None where there is none), else now. Pass the result to :meth:`attend` as
-        ``prepared``; keep ``rotation`` unchanged while it lives."""
+        ``rotation`` (``rotation_repeats``) and ``precision`` (decoded, through the frame,
+        turned by RoPE), made ahead (``codec.prepare_keys``): on an idle worker of the codec's
+        pool with ``background`` (None where there is none), else now. Pass the result to
+        :meth:`attend` as ``prepared``; keep ``key_frames`` and ``rotation`` unchanged while
+        it lives."""
         kr = self.run_of(key_blocks, "k")
         return _codec.prepare_keys(
             kr.layers,
@@ -665,6 +678,7 @@ class Pipeline:
             rotation=_np_or_none(rotation),
             precision=precision,
             background=background,
+            rotation_repeats=rotation_repeats,
         )
 
     def run_of(self, blocks: list[CodedBlock] | BlockRun, stream: str) -> BlockRun:
@@ -673,14 +687,17 @@ class Pipeline:
         if isinstance(blocks, BlockRun):
             return blocks
         encs, streams = _stream_major(blocks)
-        norms = None
+        norms = scales = None
         # Their codes, decoded in the kernels (across heads they are per-head scales, which
         # attention over the codes applies itself).
-        if self.recipe.token_norms(stream) and not self.recipe.joint(stream):
-            arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
-            norms = [c for c, _ in arrays], [b for _, b in arrays]
+        if self.recipe.token_norms(stream):
+            codes = _norm_code_lists(blocks)
+            if self.recipe.joint(stream):
+                scales = codes
+            else:
+                norms = codes
         tokens = sum(blk.tokens for blk in blocks)
-        return BlockRun(_codec.core_layers(encs), streams, norms, tokens, tuple(blocks))
+        return BlockRun(_codec.core_layers(encs), streams, norms, tokens, tuple(blocks), scales)
 
     def frame_inverse(
         self, layer: int, stream: str, device: Optional[torch.device] = None
@@ -866,6 +883,19 @@ def _runs_np(runs: Any, streams: int, d: int) -> list:
 def _np_or_none(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     """:func:`_np` of an optional tensor."""
     return None if t is None else _np(t)
+
+
+def _scales_arg(scales: Any) -> Any:
+    """Heads' scales as the codec takes them: a tensor as :func:`_np` makes it, codes (a
+    ``(codes, bounds)`` pair of lists) as they are."""
+    return scales if isinstance(scales, tuple) else _np_or_none(scales)
+
+
+def _norm_code_lists(blocks: Sequence[CodedBlock]) -> tuple[list, list]:
+    """The blocks' token-norm codes as the codec takes them: ``(codes, bounds)`` lists, per
+    block uint8 ``[streams, tokens]`` and float16 ``[streams, 2]``."""
+    arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
+    return [c for c, _ in arrays], [b for _, b in arrays]
 
 
 def decode_blocks(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:

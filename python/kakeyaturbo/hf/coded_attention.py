@@ -265,7 +265,7 @@ class CodedView:
         bias = self._kernel_bias(mask, (b, h, rows // tq, tq), n_exact, q.device, joint)
         if joint:
             return self._joint_attend(q, exact, bias, scaling, softcap)
-        frame, rotation = self._key_inputs(h, q.shape[-1])
+        frame, rotation, _ = self._key_inputs(h, q.shape[-1])
         if lay._rope is not None:  # the exact keys follow the query into the paired order
             _, (q, *keys) = self._split_layout(None, q, *keys)
         # (Keys coded post-RoPE go through the frame per token here: the exact keys are
@@ -296,6 +296,7 @@ class CodedView:
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         wide, frame, rotation = self._joint_query(q)
         norms = pipe.recipe.token_norms
+        h = q.shape[1]
         return pipe.attend(
             (self.held.keys, self.held.values),
             q.shape[0],
@@ -307,12 +308,14 @@ class CodedView:
             value_frames=pipe.joint_head_frames(li, "v"),
             bias=bias,
             softcap=softcap,
-            heads=q.shape[1],
+            heads=h,
             exact_queries=q,
-            key_scales=pipe.joint_scales(self.held.keys) if norms("k") else None,
-            value_scales=pipe.joint_scales(self.held.values) if norms("v") else None,
+            # Their codes as held: the codec decodes them in the same call.
+            key_scales=self.held.keys.scales if norms("k") else None,
+            value_scales=self.held.values.scales if norms("v") else None,
             precision=lay._ctx.attention_precision,
             prepared=self._prepared(),
+            rotation_repeats=h,
         )
 
     def _device_joint_attend(
@@ -343,20 +346,21 @@ class CodedView:
             return fused_joint_attend.attend(*args)
         return fused_joint_attend.attend_with_torch(*args)
 
-    def _key_inputs(self, h: int, d: int) -> tuple[Any, Any]:
-        """The key frames and RoPE's rotation as ``Pipeline.attend`` takes them for this layer's
-        blocks (``h`` KV heads of ``d`` channels): across heads the joint frame ``[1, H*D,
-        H*D]`` and the wide rotation (:meth:`_joint_query`); per head the frames in the split
-        channel order (:meth:`_split_layout`) and the rotation."""
+    def _key_inputs(self, h: int, d: int) -> tuple[Any, Any, int]:
+        """The key frames, RoPE's rotation and its repeats as ``Pipeline.attend`` takes them
+        for this layer's blocks (``h`` KV heads of ``d`` channels): across heads the joint
+        frame ``[1, H*D, H*D]`` and one head's rotation repeated over the heads
+        (:meth:`_joint_query`); per head the frames in the split channel order
+        (:meth:`_split_layout`) and the rotation."""
         lay = self.layer
         if lay._ctx.pipeline.recipe.joint("k"):
-            frame, rotation = self._joint_keys(h, d)
-            return frame[None], rotation
+            frame, rotation = self._joint_keys(h, d, repeated=False)
+            return frame[None], rotation, h
         frame = lay._ctx.pipeline.frame_inverse(lay.layer_idx, "k")
         if lay._rope is None:
-            return frame, None
+            return frame, None, 1
         frame, _ = self._split_layout(frame, torch.empty(1, h, 0, d))
-        return frame, self._rotation("split")
+        return frame, self._rotation("split"), 1
 
     def _prepared(self) -> Any:
         """The keys made ahead for this layer by the layer before (:meth:`_prepare_next`),
@@ -382,12 +386,13 @@ class CodedView:
             if not lay._blocks or lay._on_device is not None or lay.layer_idx in ctx.step.prepared:
                 continue
             view = CodedView(lay, lay._held_blocks())
-            frame, rotation = view._key_inputs(h, d)
+            frame, rotation, repeats = view._key_inputs(h, d)
             made = ctx.pipeline.prepare_keys(
                 view.held.keys,
                 key_frames=frame,
                 rotation=rotation,
                 precision=ctx.attention_precision,
+                rotation_repeats=repeats,
             )
             if made is None:
                 return
@@ -417,7 +422,9 @@ class CodedView:
         if kernels:
             wide, frame, rotation = self._joint_query(q)
             precision = lay._ctx.attention_precision
-            logits = pipe.key_logits(self.held.keys, b, wide, frame[None], rotation, precision)
+            logits = pipe.key_logits(
+                self.held.keys, b, wide, frame[None], rotation, precision, rotation_repeats=h
+            )
             held = self.held.keys
         else:
             held = self.held.stored("k", q.device)
@@ -430,10 +437,11 @@ class CodedView:
     def _joint_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """The queries ``q`` ``[B, H, rows, D]`` (on the CPU) as the codec's kernels score
         keys coded across heads: wide queries ``[B, 1, H*rows, H*D]`` (each row zero outside
-        its head's channels), the joint key frame ``[H*D, H*D]`` and RoPE's rotation, in the
-        channel order of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
+        its head's channels), the joint key frame ``[H*D, H*D]`` and one head's RoPE rotation,
+        which the kernels repeat over the heads (``rotation_repeats``), in the channel order
+        of :meth:`_joint_order` (with RoPE; else the rotation is None)."""
         b, h, rows, d = q.shape
-        frame, rotation = self._joint_keys(h, d)
+        frame, rotation = self._joint_keys(h, d, repeated=False)
         # Query head i*g + j reads KV head i: its own channels only.
         order = None if rotation is None else self._joint_order_shared(h, d)[1]
         wide = fused_attention.wide_queries(q, order)
@@ -454,8 +462,12 @@ class CodedView:
             return fused_attention.joint_key_logits(y, frame, rotation, q, order)
         return fused_attention.joint_key_logits_with_torch(y, frame, rotation, q, order)
 
-    def _joint_keys(self, h: int, d: int, dev: Any = "cpu") -> tuple[torch.Tensor, Any]:
-        """:meth:`_joint_query`'s joint key frame and rotation (no query needed), on ``dev``."""
+    def _joint_keys(
+        self, h: int, d: int, dev: Any = "cpu", repeated: bool = True
+    ) -> tuple[torch.Tensor, Any]:
+        """:meth:`_joint_query`'s joint key frame and rotation (no query needed), on ``dev``:
+        the rotation of every head's pairs (``repeated``), or one head's, which the codec's
+        kernels repeat themselves (a third of the table they read with three heads)."""
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         dev = torch.device(dev)
@@ -463,6 +475,8 @@ class CodedView:
             return pipe.joint_frame(li, "k", device=dev), None
         # The bundle keeps the frame in that order.
         frame = pipe.joint_frame(li, "k", self._joint_order_shared(h, d), dev)
+        if not repeated:
+            return frame, self._rotation("split", dev)
         rotation = self._shared(
             ("joint rotation", h, str(dev), self.held.positions),
             (lay._rope.inv_freq,),

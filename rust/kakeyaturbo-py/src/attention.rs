@@ -85,9 +85,11 @@ pub(crate) fn opt_f32_array<'py, D: Dimension>(
     obj.map(|o| f32_array::<D>(o, arg)).transpose()
 }
 
-/// The rotation `[rows, tokens, 2, pairs]` as the kernels take it.
+/// The rotation `[rows, tokens, 2, pairs]`, its angles repeated `repeats` times across the
+/// channel pairs, as the kernels take it.
 fn rope_angles<'a>(
     r: &'a Option<PyReadonlyArray<'_, f32, numpy::Ix4>>,
+    repeats: usize,
 ) -> PyResult<Option<RopeAngles<'a>>> {
     r.as_ref()
         .map(|r| {
@@ -95,6 +97,7 @@ fn rope_angles<'a>(
                 values: r.as_slice()?,
                 rows: r.shape()[0],
                 pairs: r.shape()[3],
+                repeats,
             })
         })
         .transpose()
@@ -162,6 +165,44 @@ impl<'py> NormsIn<'py> {
     }
 }
 
+/// Each head's scales of streams coded across heads as passed in: float32 `[streams, heads,
+/// tokens]`, or decoded here from their codes (`(codes, bounds)` lists as for norms, `streams *
+/// heads` rows per block): a cache hands its blocks' codes over as they are held, with no
+/// separate call (and its Python) per layer and step to decode them.
+enum ScalesIn<'py> {
+    Values(PyReadonlyArray<'py, f32, numpy::Ix3>),
+    Decoded(Vec<f32>),
+}
+
+impl ScalesIn<'_> {
+    fn values(&self) -> PyResult<&[f32]> {
+        Ok(match self {
+            ScalesIn::Values(v) => v.as_slice()?,
+            ScalesIn::Decoded(v) => v,
+        })
+    }
+}
+
+fn scales_arg<'py>(
+    obj: Option<&Bound<'py, PyAny>>,
+    rows: usize,
+    arg: &str,
+) -> PyResult<Option<ScalesIn<'py>>> {
+    let Some(obj) = obj else { return Ok(None) };
+    if obj.is_instance_of::<pyo3::types::PyTuple>() {
+        let NormsIn::Codes(pairs) = NormsIn::extract(obj, arg)? else {
+            return Err(type_error(arg, "expected (codes, bounds) lists"));
+        };
+        let blocks = pairs
+            .iter()
+            .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let decoded = core::decode_norm_codes(&blocks, rows).map_err(|e| to_py_in(arg, e))?;
+        return Ok(Some(ScalesIn::Decoded(decoded)));
+    }
+    Ok(Some(ScalesIn::Values(f32_array::<numpy::Ix3>(obj, arg)?)))
+}
+
 fn norms_arg<'py>(obj: Option<&Bound<'py, PyAny>>, arg: &str) -> PyResult<Option<NormsIn<'py>>> {
     obj.map(|o| NormsIn::extract(o, arg)).transpose()
 }
@@ -218,14 +259,16 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// in `encs` (`streams` streams, stream-major, each stream's blocks in token order):
 /// `q . rope_t(y_t @ frames[s % heads]) * norms[s, t] / |y_t|`. `frames`: `[heads, head_dim,
 /// head_dim]` (None: identity); `rotation`: `[rows or 1, tokens, 2, pairs]`, the cosines then
-/// the sines turning channel pairs `(i, i + pairs)` (None: no RoPE); `norms`: `[streams,
+/// the sines turning channel pairs `(i, i + P)` (None: no RoPE), `P = pairs *
+/// rotation_repeats`, pair `i` by angle `i % pairs` (every head's pairs side by side, for
+/// streams coded across heads); `norms`: `[streams,
 /// tokens]` or norm codes (None: scale 1). `precision`: the frame product's arithmetic,
 /// "float32", "int16" (the coordinates less their block mean and the frame as 16-bit integers
 /// with per-block scales, exact int32 sums, where `int16_products`) or "bfloat16" (both
 /// rounded to bfloat16, float32 sums, where `bf16_products`).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None,
-    precision="float32"))]
+    precision="float32", rotation_repeats=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn coded_key_logits<'py>(
     py: Python<'py>,
@@ -236,6 +279,7 @@ pub fn coded_key_logits<'py>(
     rotation: Option<&Bound<'py, PyAny>>,
     norms: Option<&Bound<'py, PyAny>>,
     precision: &str,
+    rotation_repeats: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let precision = precision_arg(precision)?;
     let refs = layers(&encs);
@@ -245,7 +289,8 @@ pub fn coded_key_logits<'py>(
     let frames = opt_f32_array::<numpy::Ix3>(frames, "frames")?;
     let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
     let norms = norms_arg(norms, "norms")?;
-    let (qs, fs, rot) = (q.as_slice()?, with_lead(&frames)?, rope_angles(&rotation)?);
+    let rot = rope_angles(&rotation, rotation_repeats)?;
+    let (qs, fs) = (q.as_slice()?, with_lead(&frames)?);
     let ns = norms_view(&norms)?;
     let t_n = coded.tokens();
     let out = workers::detach(py, || {
@@ -288,19 +333,21 @@ pub fn coded_value_sums<'py>(
 /// first.
 /// `bias`: `[bias rows, rows, tokens + exact]`, stream `s` reading row `s / (streams / bias
 /// rows)`; norms: float32 `[streams, tokens]` or `(codes, bounds)` lists per block; frames and
-/// rotation as for `coded_key_logits`, `value_frames` turning the sums out of the frame.
+/// rotation (`rotation_repeats`) as for `coded_key_logits`, `value_frames` turning the sums
+/// out of the frame.
 /// Streams coded across `heads` KV heads (`heads` > 1): `queries` are the wide queries
 /// `[streams, rows, heads * head_dim]`, rows in `heads` equal groups, one per head;
 /// `exact_queries` `[streams, rows, head_dim]` each row over its own head's channels; the exact
 /// runs `[streams * heads, exact, head_dim]`; `value_frames` `[heads, heads * head_dim,
 /// head_dim]`; `key_scales` / `value_scales` `[streams, heads, tokens]` each head's scale of
-/// the coded keys / values (None: 1). The output is then `[streams, rows, head_dim]`.
+/// the coded keys / values, or their one-byte codes as for norms (decoded here; None: 1).
+/// The output is then `[streams, rows, head_dim]`.
 /// `precision`: the key frame product's arithmetic, as for `coded_key_logits`.
 #[pyfunction]
 #[pyo3(signature = (key_encs, value_encs, streams, queries, exact_keys, exact_values, scaling, *,
     key_frames=None, rotation=None, key_norms=None, value_frames=None, value_norms=None,
     bias=None, softcap=None, heads=1, exact_queries=None, key_scales=None, value_scales=None,
-    precision="float32", prepared=None))]
+    precision="float32", prepared=None, rotation_repeats=1))]
 #[allow(clippy::too_many_arguments)]
 pub fn coded_attend<'py>(
     py: Python<'py>,
@@ -324,6 +371,7 @@ pub fn coded_attend<'py>(
     value_scales: Option<&Bound<'py, PyAny>>,
     precision: &str,
     prepared: Option<&Bound<'py, PyPreparedKeys>>,
+    rotation_repeats: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let precision = precision_arg(precision)?;
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
@@ -363,8 +411,8 @@ pub fn coded_attend<'py>(
     );
     let (eq, ks, vs) = (
         opt_f32_array::<numpy::Ix3>(exact_queries, "exact_queries")?,
-        opt_f32_array::<numpy::Ix3>(key_scales, "key_scales")?,
-        opt_f32_array::<numpy::Ix3>(value_scales, "value_scales")?,
+        scales_arg(key_scales, streams * heads, "key_scales")?,
+        scales_arg(value_scales, streams * heads, "value_scales")?,
     );
     let joint = match (heads, &eq) {
         (0, _) => {
@@ -382,12 +430,12 @@ pub fn coded_attend<'py>(
         (_, Some(eq)) => Some(Joint {
             heads,
             exact_queries: eq.as_slice()?,
-            key_scales: ks.as_ref().map(|a| a.as_slice()).transpose()?,
-            value_scales: vs.as_ref().map(|a| a.as_slice()).transpose()?,
+            key_scales: ks.as_ref().map(ScalesIn::values).transpose()?,
+            value_scales: vs.as_ref().map(ScalesIn::values).transpose()?,
         }),
     };
     let rows = q.shape()[1];
-    let (key_frames, rotation) = (with_lead(&kf)?, rope_angles(&rotation)?);
+    let (key_frames, rotation) = (with_lead(&kf)?, rope_angles(&rotation, rotation_repeats)?);
     let prepared = prepared.map(|p| p.get());
     let prepared = prepared
         .map(|p| p.matching(&krefs, streams, key_frames, rotation.as_ref(), precision))

@@ -15,42 +15,75 @@ use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in};
 use crate::workers;
 
-/// RoPE's rotation as `prepare_keys` took it: its array, kept alive while a worker reads its
-/// memory without the GIL.
-struct HeldRotation {
+/// A float32 array as `prepare_keys` took it: kept alive while a worker reads its memory
+/// without the GIL (no copy of it made per layer and step).
+struct Held {
     _owner: Py<PyAny>,
     values: *const f32,
     len: usize,
-    rows: usize,
-    pairs: usize,
 }
 
 // SAFETY: `values` points into the float32 buffer of the array `_owner` holds a reference to,
 // so it stays allocated while this lives; it is only read, and `prepare_keys` documents that
 // the caller does not write to the array while the prepared keys live.
 #[allow(unsafe_code)]
-unsafe impl Send for HeldRotation {}
+unsafe impl Send for Held {}
 #[allow(unsafe_code)]
-unsafe impl Sync for HeldRotation {}
+unsafe impl Sync for Held {}
+
+impl Held {
+    fn of(owner: &Bound<'_, PyAny>, values: &[f32]) -> Self {
+        Self {
+            _owner: owner.clone().unbind(),
+            values: values.as_ptr(),
+            len: values.len(),
+        }
+    }
+
+    fn values(&self) -> &[f32] {
+        // SAFETY: see the `Send` impl: `len` floats from `values`, alive while `self` is.
+        #[allow(unsafe_code)]
+        unsafe {
+            std::slice::from_raw_parts(self.values, self.len)
+        }
+    }
+
+    /// Whether `other` is this array's memory.
+    fn is(&self, other: &[f32]) -> bool {
+        std::ptr::eq(self.values, other.as_ptr()) && self.len == other.len()
+    }
+
+    /// Whether `other` holds this array's values: the same memory, or else equal values.
+    fn equals(&self, other: &[f32]) -> bool {
+        self.is(other) || self.values() == other
+    }
+}
+
+/// RoPE's rotation as `prepare_keys` took it.
+struct HeldRotation {
+    values: Held,
+    rows: usize,
+    pairs: usize,
+    repeats: usize,
+}
 
 impl HeldRotation {
     fn angles(&self) -> RopeAngles<'_> {
         RopeAngles {
-            // SAFETY: see the `Send` impl: `len` floats from `values`, alive while `self` is.
-            #[allow(unsafe_code)]
-            values: unsafe { std::slice::from_raw_parts(self.values, self.len) },
+            values: self.values.values(),
             rows: self.rows,
             pairs: self.pairs,
+            repeats: self.repeats,
         }
     }
 }
 
-/// What the keys were made from: the blocks, the frames (copied), the rotation (held), the
-/// precision.
+/// What the keys were made from: the blocks, the frames and their heads, the rotation (both
+/// held), the precision.
 struct Inputs {
     encs: Vec<Py<PyEncodedLayer>>,
     streams: usize,
-    frames: Option<(Vec<f32>, usize)>,
+    frames: Option<(Held, usize)>,
     rotation: Option<HeldRotation>,
     precision: Precision,
 }
@@ -67,7 +100,7 @@ impl Inputs {
         let coded = CodedStreams::new(&layers, self.streams)?;
         let rotation = self.rotation.as_ref().map(HeldRotation::angles);
         let inputs = KeyInputs {
-            frames: self.frames.as_ref().map(|(m, h)| (m.as_slice(), *h)),
+            frames: self.frames.as_ref().map(|(m, h)| (m.values(), *h)),
             rotation: rotation.as_ref(),
             precision: self.precision,
         };
@@ -104,8 +137,9 @@ impl Drop for PyPreparedKeys {
 
 impl PyPreparedKeys {
     /// The prepared keys, after checking they were made from exactly these inputs of
-    /// `coded_attend`: the same block objects, frames of equal values, the same rotation
-    /// array, the same precision. A ValueError names the first that differs.
+    /// `coded_attend`: the same block objects, frames of equal values (the same array is
+    /// not read again), the same rotation array, the same precision. A ValueError names the
+    /// first that differs.
     pub fn matching(
         &self,
         layers: &[&EncodedLayer],
@@ -130,14 +164,19 @@ impl PyPreparedKeys {
         if !same_blocks {
             return fail("key blocks");
         }
-        if own.frames.as_ref().map(|(m, h)| (m.as_slice(), *h)) != frames {
+        let same_frames = match (&own.frames, frames) {
+            (None, None) => true,
+            (Some((m, heads)), Some((f, fh))) => *heads == fh && m.equals(f),
+            _ => false,
+        };
+        if !same_frames {
             return fail("key_frames");
         }
         let same_rotation = match (&own.rotation, rotation) {
             (None, None) => true,
             (Some(h), Some(r)) => {
-                std::ptr::eq(h.values, r.values.as_ptr())
-                    && (h.len, h.rows, h.pairs) == (r.values.len(), r.rows, r.pairs)
+                h.values.is(r.values)
+                    && (h.rows, h.pairs, h.repeats) == (r.rows, r.pairs, r.repeats)
             }
             _ => false,
         };
@@ -152,18 +191,20 @@ impl PyPreparedKeys {
 }
 
 /// Makes the keys of the blocks `key_encs` (laid out as for `coded_attend`) with `key_frames`,
-/// `rotation` and `precision` as `coded_attend` will take them: decoding, the frame product and
-/// RoPE, everything of the key logits that does not need the queries.
+/// `rotation` (`rotation_repeats`) and `precision` as `coded_attend` will take them: decoding,
+/// the frame product and RoPE, everything of the key logits that does not need the queries.
 ///
 /// With `background` (the default) it runs on a worker of the codec's pool while the caller
 /// goes on, and returns None where there is no idle worker to run it: when the codec runs on
 /// torch's threads (torch with more than one) or its pool has one thread. Attention then
 /// computes the blocks not yet made itself, so the result is the same bits either way. Without
-/// it, every block is made before it returns. The caller must not write to `rotation` while
-/// the returned keys live (its memory is read in place).
+/// it, every block is made before it returns. The caller must not write to `key_frames` or
+/// `rotation` while the returned keys live (their memory is read in place); `coded_attend`
+/// takes the same rotation array and frames of equal values.
 #[pyfunction]
 #[pyo3(signature = (key_encs, streams, key_frames=None, rotation=None, precision="float32",
-    background=true))]
+    background=true, rotation_repeats=1))]
+#[allow(clippy::too_many_arguments)]
 pub fn prepare_keys<'py>(
     py: Python<'py>,
     key_encs: Vec<Bound<'py, PyEncodedLayer>>,
@@ -172,18 +213,22 @@ pub fn prepare_keys<'py>(
     rotation: Option<&Bound<'py, PyAny>>,
     precision: &str,
     background: bool,
+    rotation_repeats: usize,
 ) -> PyResult<Option<PyPreparedKeys>> {
     let precision = precision_arg(precision)?;
-    let frames = opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?
-        .map(|a| Ok::<_, PyErr>((a.as_slice()?.to_vec(), a.shape()[0])))
-        .transpose()?;
+    let frames = match (
+        key_frames,
+        opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?,
+    ) {
+        (Some(owner), Some(a)) => Some((Held::of(owner, a.as_slice()?), a.shape()[0])),
+        _ => None,
+    };
     let rotation = match (rotation, opt_f32_array::<numpy::Ix4>(rotation, "rotation")?) {
         (Some(owner), Some(a)) => Some(HeldRotation {
-            _owner: owner.clone().unbind(),
-            values: a.as_slice()?.as_ptr(),
-            len: a.len(),
+            values: Held::of(owner, a.as_slice()?),
             rows: a.shape()[0],
             pairs: a.shape()[3],
+            repeats: rotation_repeats,
         }),
         _ => None,
     };
@@ -199,7 +244,7 @@ pub fn prepare_keys<'py>(
     let coded = CodedStreams::new(&layers, streams).map_err(|e| to_py_in("key_encs", e))?;
     let held_rotation = inputs.rotation.as_ref().map(HeldRotation::angles);
     KeyInputs {
-        frames: inputs.frames.as_ref().map(|(m, h)| (m.as_slice(), *h)),
+        frames: inputs.frames.as_ref().map(|(m, h)| (m.values(), *h)),
         rotation: held_rotation.as_ref(),
         precision,
     }

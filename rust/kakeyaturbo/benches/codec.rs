@@ -368,6 +368,7 @@ fn bench_coded_attention(c: &mut Criterion) {
             values: &rot,
             rows: 1,
             pairs: d / 2,
+            repeats: 1,
         };
         let frame = Some((&frames[..], STREAMS));
         let logits = |frame, precision| {

@@ -233,12 +233,23 @@ fn frame_of(frames: Option<(&[f32], usize)>, s: usize, d: usize) -> Option<&[f32
 }
 
 /// The RoPE rotation of [`key_logits`]: at every coded token the cosines, then the sines, of
-/// the angles of channel pairs `(i, i + pairs)`, `[rows, tokens, 2, pairs]` (`rows` 1: shared
-/// by every row).
+/// the angles of channel pairs `(i, i + P)`, `[rows, tokens, 2, pairs]` (`rows` 1: shared
+/// by every row), `P = pairs * repeats`: pair `i` turns by angle `i % pairs`. Keys coded
+/// across heads lay every head's pairs side by side, each with the same angles, so the
+/// table holds one head's (a third of the memory each key block reads with three heads).
 pub struct RopeAngles<'a> {
     pub values: &'a [f32],
     pub rows: usize,
     pub pairs: usize,
+    /// How many times the angles repeat across the channel pairs (at least 1).
+    pub repeats: usize,
+}
+
+impl RopeAngles<'_> {
+    /// Channel pairs turned: `pairs * repeats`.
+    fn turned(&self) -> usize {
+        self.pairs.saturating_mul(self.repeats)
+    }
 }
 
 /// Logits `[streams, g, tokens]` of the queries `[streams, g, d]` against the coded keys:
@@ -278,10 +289,12 @@ impl KeyInputs<'_> {
         let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
         check_frames("frames", self.frames, s_n, d, d)?;
         if let Some(r) = self.rotation {
-            if r.pairs > d / 2 || r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n) {
+            let bad_rows = r.rows == 0 || (r.rows != 1 && r.rows * (s_n / r.rows) != s_n);
+            if r.repeats == 0 || r.turned() > d / 2 || bad_rows {
                 return Err(Error::Shape(format!(
-                    "rotation: {} rows of {} pairs for {s_n} streams of head dim {d}",
-                    r.rows, r.pairs
+                    "rotation: {} rows of {} pairs repeated {} times for {s_n} streams of \
+                     head dim {d}",
+                    r.rows, r.pairs, r.repeats
                 )));
             }
             check_len(
@@ -325,14 +338,22 @@ impl KeyInputs<'_> {
         let rot = self.rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
             let w = 2 * r.pairs;
-            (&r.values[(row * t_n + t0) * w..][..n * w], r.pairs)
+            (
+                &r.values[(row * t_n + t0) * w..][..n * w],
+                r.pairs,
+                r.repeats,
+            )
         });
         (frame_of(self.frames, s, d), product, rot)
     }
 }
 
-/// One block's frame, how its product runs, and (RoPE's angles of its tokens, pairs).
-type BlockInputs<'a> = (Option<&'a [f32]>, Product<'a>, Option<(&'a [f32], usize)>);
+/// RoPE's angles of a block's tokens, `[n, 2, pairs]`, their pairs and repeats
+/// ([`RopeAngles`]).
+type BlockAngles<'a> = (&'a [f32], usize, usize);
+
+/// One block's frame, how its product runs, and RoPE's angles of its tokens.
+type BlockInputs<'a> = (Option<&'a [f32]>, Product<'a>, Option<BlockAngles<'a>>);
 
 /// [`KeyInputs::products`].
 struct Products {
@@ -709,14 +730,14 @@ fn length<const FMA: bool>(y: &[f32]) -> f32 {
     dot::<FMA>(y, y).sqrt().max(MIN_NORM)
 }
 
-/// `(decoded block, head dim, frame, how its product runs, (rotation, pairs), norms, queries,
+/// `(decoded block, head dim, frame, how its product runs, angles, norms, queries,
 /// query rows)`.
 type LogitArgs<'a> = (
     &'a [f32],
     usize,
     Option<&'a [f32]>,
     Product<'a>,
-    Option<(&'a [f32], usize)>,
+    Option<BlockAngles<'a>>,
     Option<&'a [f32]>,
     &'a [f32],
     usize,
@@ -783,10 +804,10 @@ fn block_keys<const FMA: bool>(
     d: usize,
     m: Option<&[f32]>,
     product: Product<'_>,
-    rot: Option<(&[f32], usize)>,
+    rot: Option<BlockAngles<'_>>,
     buf: &mut Vec<f32>,
 ) -> bool {
-    let rot = rot.filter(|&(_, pairs)| pairs > 0);
+    let rot = rot.filter(|&(_, pairs, repeats)| pairs * repeats > 0);
     if m.is_none() && rot.is_none() {
         return false;
     }
@@ -801,25 +822,29 @@ fn block_keys<const FMA: bool>(
         (Some(m), Product::F32) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
         (None, _) => own.copy_from_slice(y),
     }
-    if let Some((r, pairs)) = rot {
+    if let Some((r, pairs, repeats)) = rot {
+        let turned = pairs * repeats;
         for (k, rt) in own.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {
             let (cos, sin) = rt.split_at(pairs);
-            let (re, rest) = k.split_at_mut(pairs);
-            for (((a, b), &c), &s) in re.iter_mut().zip(&mut rest[..pairs]).zip(cos).zip(sin) {
-                (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+            let (re, rest) = k.split_at_mut(turned);
+            let im = &mut rest[..turned];
+            for (re, im) in re.chunks_exact_mut(pairs).zip(im.chunks_exact_mut(pairs)) {
+                for (((a, b), &c), &s) in re.iter_mut().zip(im).zip(cos).zip(sin) {
+                    (*a, *b) = (*a * c - *b * s, *a * s + *b * c);
+                }
             }
         }
     }
     true
 }
 
-/// `(decoded block, head dim, frame, how its product runs, (rotation, pairs))`.
+/// `(decoded block, head dim, frame, how its product runs, angles)`.
 type KeyArgs<'a> = (
     &'a [f32],
     usize,
     Option<&'a [f32]>,
     Product<'a>,
-    Option<(&'a [f32], usize)>,
+    Option<BlockAngles<'a>>,
 );
 
 /// A block's [`BlockKeys`]: its keys as [`block_logits`] makes them, and every token's

@@ -18,6 +18,7 @@ fn prepared_keys_give_the_same_logits_bit_for_bit() {
         values: &rot,
         rows: 1,
         pairs: d / 2,
+        repeats: 1,
     };
     // Token norms: the prepared path divides by the lengths it kept of the decoded tokens.
     let norms: Vec<f32> = normals(streams * c.tokens(), 2)

@@ -167,6 +167,7 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
             values: &rot,
             rows: 2,
             pairs,
+            repeats: 1,
         };
         let got = key_logits(
             &c,
@@ -266,7 +267,7 @@ fn fused_and_separate_multiply_adds_agree() {
         d,
         Some(&m[..]),
         Product::F32,
-        Some((&rot[..], 20)),
+        Some((&rot[..], 20, 1)),
         Some(&norms[..]),
         &q[..],
         g,
@@ -561,14 +562,29 @@ fn mismatched_layouts_and_lengths_are_refused() {
         values: &rot,
         rows: 1,
         pairs: 33,
+        repeats: 1,
     };
     assert!(key_logits(&c, None, Some(&too_many), None, &q, 1, Precision::F32).is_err());
     let short = RopeAngles {
         values: &rot[2..],
         rows: 1,
         pairs: 33,
+        repeats: 1,
     };
     assert!(key_logits(&c, None, Some(&short), None, &q, 1, Precision::F32).is_err());
+    // 11 pairs repeated 3 times turn 33 pairs: more than the 32 of head dim 64.
+    let repeated = RopeAngles {
+        values: &rot[..24 * 11 * 2],
+        rows: 1,
+        pairs: 11,
+        repeats: 3,
+    };
+    assert!(key_logits(&c, None, Some(&repeated), None, &q, 1, Precision::F32).is_err());
+    let none = RopeAngles {
+        repeats: 0,
+        ..repeated
+    };
+    assert!(key_logits(&c, None, Some(&none), None, &q, 1, Precision::F32).is_err());
     assert!(key_logits(
         &c,
         None,
@@ -897,6 +913,7 @@ fn attend_matches_the_softmax_over_decoded_keys_and_values() {
                 values: &rot,
                 rows: 1,
                 pairs,
+                repeats: 1,
             }),
             key_norms: Some(Norms::Values(&knorms)),
             value_frames: Some((&vframes, heads)),
@@ -1079,6 +1096,7 @@ fn attend_across_heads_matches_each_heads_softmax_over_decoded_keys_and_values()
             values: &rot,
             rows: 1,
             pairs,
+            repeats: 1,
         }),
         key_norms: None,
         value_frames: Some((&vframes, hs)),
@@ -1269,4 +1287,51 @@ fn the_softmax_exponential_is_within_float_rounding() {
     assert_eq!(attend::exp_le0(0.0), 1.0);
     assert_eq!(attend::exp_le0(f32::NEG_INFINITY), 0.0);
     assert_eq!(attend::exp_le0(-100.0), 0.0);
+}
+
+/// Angles repeated across the channel pairs (keys coded across heads: every head's pairs side
+/// by side, each turned by the same angles) give the logits of the table spelled out, bit for
+/// bit, with every frame product.
+#[test]
+fn repeated_angles_turn_as_the_table_spelled_out() {
+    let (d, streams, g, pairs, repeats) = (48, 2, 3, 8, 3);
+    let (encs, _) = coded_at(streams, &[32, 17], d, 2.0);
+    let refs: Vec<&EncodedLayer> = encs.iter().collect();
+    let c = CodedStreams::new(&refs, streams).unwrap();
+    let one = rotation_table(c.tokens(), pairs);
+    let spelled_out: Vec<f32> = one
+        .chunks_exact(2 * pairs)
+        .flat_map(|rt| {
+            let (cos, sin) = rt.split_at(pairs);
+            [cos.repeat(repeats), sin.repeat(repeats)].concat()
+        })
+        .collect();
+    let frames = normals(d * d, 1);
+    let q = normals(streams * g * d, 3);
+    let tiled = RopeAngles {
+        values: &one,
+        rows: 1,
+        pairs,
+        repeats,
+    };
+    let spelled = RopeAngles {
+        values: &spelled_out,
+        rows: 1,
+        pairs: pairs * repeats,
+        repeats: 1,
+    };
+    for precision in [Precision::F32, Precision::Bf16, Precision::I16] {
+        for frames in [Some((frames.as_slice(), 1)), None] {
+            let logits =
+                |r: &RopeAngles<'_>| key_logits(&c, frames, Some(r), None, &q, g, precision);
+            let want = logits(&spelled).unwrap();
+            assert_eq!(logits(&tiled).unwrap(), want, "{precision:?}");
+            // And not the logits of the angles applied to one head's pairs only.
+            let first = RopeAngles {
+                repeats: 1,
+                ..tiled
+            };
+            assert_ne!(logits(&first).unwrap(), want, "{precision:?}");
+        }
+    }
 }
