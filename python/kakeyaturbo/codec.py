@@ -372,11 +372,10 @@ def coded_attend(
     heads * head_dim, head_dim]``; ``key_scales`` / ``value_scales`` ``[streams, heads,
     tokens]`` each head's scale of the coded keys and values, or their one-byte codes as
     ``(codes, bounds)`` lists with ``streams * heads`` rows per block, decoded in the call
-    (None: 1). ``precision`` and
-    ``rotation_repeats``: as for :func:`coded_key_logits`. ``prepared``: the keys made ahead by
-    :func:`prepare_keys` from the same blocks, ``key_frames`` of equal values, the same
-    ``rotation`` array (repeated alike) and ``precision`` (a ValueError names what differs);
-    the result is the same bits."""
+    (None: 1). ``precision`` and ``rotation_repeats``: as for :func:`coded_key_logits`.
+    ``prepared``: the keys made ahead by :func:`prepare_keys` from the same blocks,
+    ``key_frames`` of equal values, the same ``rotation`` array (repeated alike) and
+    ``precision`` (a ValueError names what differs); the result is the same bits."""
     return _core.coded_attend(
         _raws(key_encs),
         _raws(value_encs),
@@ -413,12 +412,12 @@ def prepare_keys(
     rotation_repeats: int = 1,
 ) -> Optional[_core.PreparedKeys]:
     """The query-independent part of :func:`coded_attend`'s key logits (decoding the codes, the
-    frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation`` (``rotation_repeats``)
-    and ``precision`` as
-    :func:`coded_attend` will take them, made ahead. With ``background`` it runs on a worker of
-    the codec's pool while the caller goes on (in a decode step: while torch runs the model on
-    one thread) and returns None where no worker would be idle for it (the codec on torch's
-    threads, or a pool of one thread); attention computes whatever is not made yet itself.
+    frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation``
+    (``rotation_repeats``) and ``precision`` as :func:`coded_attend` will take them, made
+    ahead. With ``background`` it runs on a worker of the codec's pool while the caller goes on
+    (in a decode step: while torch runs the model on one thread) and returns None where no
+    worker would be idle for it (the codec on torch's threads, or a pool of one thread);
+    attention computes whatever is not made yet itself.
     Without it every block is made before it returns. Do not write to ``key_frames`` or
     ``rotation`` while the result lives: they are read in place."""
     return _core.prepare_keys(
