@@ -272,8 +272,9 @@ class KakeyaLayer(CacheLayerMixin):
 
     def _held_values(self, v: torch.Tensor) -> torch.Tensor:
         """Values ``[..., D]`` as the hot window holds them (a new tensor)."""
-        if self._ctx.int8_hot_values:
-            return int8_rows.encode(v)
+        encode = self._value_encoder()
+        if encode is not None:
+            return encode(v)
         return v.to(self._hot_float, copy=True, memory_format=torch.contiguous_format)
 
     def _read_values(self, held: torch.Tensor) -> torch.Tensor:
@@ -430,7 +431,7 @@ class KakeyaLayer(CacheLayerMixin):
                 self._set_hot(
                     tk.to(self._hot_k.dtype),
                     self._held_values(tv),
-                    None if self._hot_pos is None else tail.positions[:, :rest].clone(),
+                    None if self._hot_pos is None else tail.positions[:, :rest],
                 )
             else:
                 self._keep_hot(0, 0)

@@ -190,17 +190,28 @@ fn scales_arg<'py>(
 ) -> PyResult<Option<ScalesIn<'py>>> {
     let Some(obj) = obj else { return Ok(None) };
     if obj.is_instance_of::<pyo3::types::PyTuple>() {
-        let NormsIn::Codes(pairs) = NormsIn::extract(obj, arg)? else {
-            return Err(type_error(arg, "expected (codes, bounds) lists"));
-        };
-        let blocks = pairs
-            .iter()
-            .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
-            .collect::<PyResult<Vec<_>>>()?;
-        let decoded = core::decode_norm_codes(&blocks, rows).map_err(|e| to_py_in(arg, e))?;
+        let decoded = decoded_codes(obj, rows, arg)?.map_err(|e| to_py_in(arg, e))?;
         return Ok(Some(ScalesIn::Decoded(decoded)));
     }
     Ok(Some(ScalesIn::Values(f32_array::<numpy::Ix3>(obj, arg)?)))
+}
+
+/// `(codes, bounds)` lists (argument `arg`) decoded as the kernels decode token norms,
+/// `[streams, tokens]`: a TypeError naming `arg` for anything else, the decoder's own error
+/// for codes that do not fit (the caller names it).
+fn decoded_codes(
+    obj: &Bound<'_, PyAny>,
+    streams: usize,
+    arg: &str,
+) -> PyResult<kakeyaturbo::Result<Vec<f32>>> {
+    let NormsIn::Codes(pairs) = NormsIn::extract(obj, arg)? else {
+        return Err(type_error(arg, "expected (codes, bounds) lists"));
+    };
+    let blocks = pairs
+        .iter()
+        .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(core::decode_norm_codes(&blocks, streams))
 }
 
 fn norms_arg<'py>(obj: Option<&Bound<'py, PyAny>>, arg: &str) -> PyResult<Option<NormsIn<'py>>> {
@@ -471,14 +482,7 @@ pub fn decode_norm_codes<'py>(
     norms: &Bound<'py, PyAny>,
     streams: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let NormsIn::Codes(pairs) = NormsIn::extract(norms, "norms")? else {
-        return Err(type_error("norms", "expected (codes, bounds) lists"));
-    };
-    let blocks = pairs
-        .iter()
-        .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
-        .collect::<PyResult<Vec<_>>>()?;
-    let out = core::decode_norm_codes(&blocks, streams).map_err(to_py)?;
+    let out = decoded_codes(norms, streams, "norms")?.map_err(to_py)?;
     let tokens = out.len() / streams.max(1);
     Ok(PyArray1::from_vec(py, out)
         .reshape([streams, tokens])?
