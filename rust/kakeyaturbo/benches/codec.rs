@@ -389,6 +389,26 @@ fn bench_coded_attention(c: &mut Criterion) {
         g.bench_function(id("value_sums_1t"), |b| {
             one.install(|| b.iter(|| value_sums(&coded, &w, Some(&Norms::Values(&norms)), ROWS)))
         });
+        if d == 192 {
+            // The default recipe's shape: values coded across 3 heads of 64, one stream whose
+            // 9 query rows all sum every coordinate (heads' scales are in the weights).
+            let joint = CodedStreams::new(&refs[..blocks], 1).unwrap();
+            let w9 = vec![1.0 / t as f32; 9 * t];
+            g.throughput(f32_bytes(t, d));
+            g.bench_function(id("value_sums_joint_1t"), |b| {
+                one.install(|| b.iter(|| value_sums(&joint, &w9, None, 9)))
+            });
+            g.bench_function(id("decode_joint_1t"), |b| {
+                one.install(|| {
+                    b.iter(|| {
+                        for e in &refs[..blocks] {
+                            decode_layer_into(black_box(e), None, &mut out).unwrap();
+                        }
+                    })
+                })
+            });
+            g.throughput(f32_bytes(STREAMS * t, d));
+        }
         // The whole attention of a decode step: both kernels (the same codes as keys and as
         // values), the softmax, the value frame and 64 exact tokens.
         let exact = common::kv_like(STREAMS * 64, d, SEED ^ 0xE);

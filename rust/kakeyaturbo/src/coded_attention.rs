@@ -907,10 +907,19 @@ fn dots<const FMA: bool>(q: &[f32], keys: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Weighted sums of one decoded block into `out` (`[g, d]`, zeros on entry), in tiles of a
-/// few query rows by a few columns whose sums stay in registers across the block's tokens: a
+/// The most query rows [`block_sums`] sums in one tile: with 8 columns, 12 sums in registers
+/// besides a token's values and a broadcast weight (16 AVX registers).
+const TILE_ROWS: usize = 12;
+
+/// Weighted sums of one decoded block into `out` (`[g, d]`, zeros on entry), in tiles of
+/// query rows by a few columns whose sums stay in registers across the block's tokens: a
 /// token's values are loaded once per tile rather than once per row, and no sum goes through
 /// memory per token. Each sum adds the same terms in token order.
+///
+/// The rows go in as few tiles as fit ([`TILE_ROWS`]), so the block is read once per tile:
+/// the 9 rows of SmolLM2's values coded across heads read it once, where tiles of 4 rows read
+/// it three times. Hot in criterion that is 5% of the sums; in a decode step 3% of the whole
+/// step (`docs/speed.md`, 41st session).
 #[inline(always)]
 fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
     let (y, d, w, t_n, t0, norms, g) = args;
@@ -930,18 +939,28 @@ fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
             })
             .collect()
     };
-    // Tiles of 4 rows, then one of the 1-3 left, each wide enough to keep 6-8 independent
-    // sums in flight.
-    let full = g / 4 * 4;
-    for (j0, o) in (0..full).step_by(4).zip(out.chunks_exact_mut(4 * d)) {
-        sums_tile::<4, 16, FMA>(y, &weights(j0..j0 + 4), o);
-    }
-    let (rows, o) = (full..g, &mut out[full * d..]);
-    match rows.len() {
-        3 => sums_tile::<3, 16, FMA>(y, &weights(rows), o),
-        2 => sums_tile::<2, 32, FMA>(y, &weights(rows), o),
-        1 => sums_tile::<1, 64, FMA>(y, &weights(rows), o),
-        _ => {}
+    // Equal tiles (within a row) of at most TILE_ROWS rows.
+    let tiles = g.div_ceil(TILE_ROWS);
+    let mut j0 = 0;
+    for i in 0..tiles {
+        let j1 = g * (i + 1) / tiles;
+        let (wt, o) = (weights(j0..j1), &mut out[j0 * d..j1 * d]);
+        // Columns wide enough to keep 6-12 independent sums in flight.
+        match j1 - j0 {
+            1 => sums_tile::<1, 64, FMA>(y, &wt, o),
+            2 => sums_tile::<2, 32, FMA>(y, &wt, o),
+            3 => sums_tile::<3, 16, FMA>(y, &wt, o),
+            4 => sums_tile::<4, 16, FMA>(y, &wt, o),
+            5 => sums_tile::<5, 16, FMA>(y, &wt, o),
+            6 => sums_tile::<6, 16, FMA>(y, &wt, o),
+            7 => sums_tile::<7, 8, FMA>(y, &wt, o),
+            8 => sums_tile::<8, 8, FMA>(y, &wt, o),
+            9 => sums_tile::<9, 8, FMA>(y, &wt, o),
+            10 => sums_tile::<10, 8, FMA>(y, &wt, o),
+            11 => sums_tile::<11, 8, FMA>(y, &wt, o),
+            _ => sums_tile::<TILE_ROWS, 8, FMA>(y, &wt, o),
+        }
+        j0 = j1;
     }
 }
 

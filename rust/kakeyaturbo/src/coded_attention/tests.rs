@@ -205,8 +205,19 @@ fn key_logits_match_the_decoded_keys_for_every_tile_width() {
 
 #[test]
 fn value_sums_match_the_decoded_values() {
-    // g 1, 2, 3: the kernel's one tile of each width; 7: a tile of 4 and one of 3.
-    for (d, g) in [(64usize, 1usize), (64, 2), (26, 3), (80, 7)] {
+    // One tile of 1, 2, 3, 5 (16 columns), 7 and 9 rows (8 columns: SmolLM2's values across
+    // heads); 13 rows: tiles of 6 and 7; 25: of 8, 8 and 9. Widths with column tails.
+    let cases = [
+        (64usize, 1usize),
+        (64, 2),
+        (26, 3),
+        (40, 5),
+        (80, 7),
+        (64, 9),
+        (26, 13),
+        (40, 25),
+    ];
+    for (d, g) in cases {
         let (streams, lens) = (3, [40usize, 9]);
         let (encs, y) = coded(streams, &lens, d);
         let refs: Vec<&EncodedLayer> = encs.iter().collect();
