@@ -918,7 +918,7 @@ const TILE_ROWS: usize = 12;
 ///
 /// The rows go in as few tiles as fit ([`TILE_ROWS`]), so the block is read once per tile:
 /// the 9 rows of SmolLM2's values coded across heads read it once, where tiles of 4 rows read
-/// it three times. Hot in criterion that is 5% of the sums; in a decode step 3% of the whole
+/// it three times. Hot in criterion that is 5% of the sums; in a decode step 2-3% of the whole
 /// step (`docs/speed.md`, 41st session).
 #[inline(always)]
 fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
