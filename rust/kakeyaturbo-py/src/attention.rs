@@ -204,13 +204,10 @@ fn decoded_codes(
     streams: usize,
     arg: &str,
 ) -> PyResult<kakeyaturbo::Result<Vec<f32>>> {
-    let NormsIn::Codes(pairs) = NormsIn::extract(obj, arg)? else {
+    let norms = NormsIn::extract(obj, arg)?;
+    let Norms::Codes(blocks) = norms.view()? else {
         return Err(type_error(arg, "expected (codes, bounds) lists"));
     };
-    let blocks = pairs
-        .iter()
-        .map(|(c, b)| Ok((c.as_slice()?, b.as_slice()?)))
-        .collect::<PyResult<Vec<_>>>()?;
     Ok(core::decode_norm_codes(&blocks, streams))
 }
 
