@@ -592,6 +592,34 @@ mod x86 {
         }
     }
 
+    /// `acc[r][w] = op(acc[r][w], ys[r * stride + i_k] broadcast, ms[k * d + col + 16 w..])`
+    /// for each `(k, i_k)` of `items` in turn: one group's products (`op`: `vpdpwssd` or
+    /// `vpdpbusd`), each frame row loaded once for the `R` tokens.
+    ///
+    /// # Safety
+    /// Every `i_k` is below `stride`; `ys` holds `R` rows of `stride` and `ms` `items` rows of
+    /// `d` from column `col + 16 W` on (`tile` asserts both).
+    #[inline(always)]
+    unsafe fn accumulate<const R: usize, const W: usize>(
+        acc: &mut [[__m512i; W]; R],
+        (items, ms, ys, stride): (&[usize], &[u32], &[u32], usize),
+        col: usize,
+        d: usize,
+        op: impl Fn(__m512i, __m512i, __m512i) -> __m512i,
+    ) {
+        for (k, &i) in items.iter().enumerate() {
+            let mrow: [__m512i; W] = std::array::from_fn(|w| unsafe {
+                _mm512_loadu_si512(ms.as_ptr().add(k * d + col + 16 * w).cast())
+            });
+            for (r, a) in acc.iter_mut().enumerate() {
+                let y = _mm512_set1_epi32(unsafe { *ys.as_ptr().add(r * stride + i) } as i32);
+                for (a, &m) in a.iter_mut().zip(&mrow) {
+                    *a = op(*a, y, m);
+                }
+            }
+        }
+    }
+
     /// A block's integers and scales, as the tiles read them.
     struct Block<'a> {
         plan: &'a super::Plan,
@@ -627,17 +655,12 @@ mod x86 {
         // SAFETY (every load and store): the bounds asserted above; wide pairs are below
         // `half` and narrow fours below `quarter` (asserted by `product`).
         let mut acc = [[_mm512_setzero_si512(); W]; R];
-        for (k, &p) in b.plan.wide.iter().enumerate() {
-            let mrow: [__m512i; W] = std::array::from_fn(|w| unsafe {
-                _mm512_loadu_si512(b.ms16.as_ptr().add(k * d + col + 16 * w).cast())
-            });
-            for (r, a) in acc.iter_mut().enumerate() {
-                let y = _mm512_set1_epi32(unsafe { *ys16.as_ptr().add(r * half + p) } as i32);
-                for (a, &m) in a.iter_mut().zip(&mrow) {
-                    *a = _mm512_dpwssd_epi32(*a, m, y);
-                }
-            }
-        }
+        let wide = (b.plan.wide.as_slice(), b.ms16, ys16, half);
+        unsafe {
+            accumulate(&mut acc, wide, col, d, |a, y, m| {
+                _mm512_dpwssd_epi32(a, m, y)
+            })
+        };
         for w in 0..W {
             let c = col + 16 * w;
             let (f, s) = unsafe {
@@ -655,17 +678,12 @@ mod x86 {
             _mm512_loadu_si512(b.offset.as_ptr().add(col + 16 * w).cast())
         });
         let mut acc = [start; R];
-        for (k, &q) in b.plan.narrow.iter().enumerate() {
-            let mrow: [__m512i; W] = std::array::from_fn(|w| unsafe {
-                _mm512_loadu_si512(b.ms8.as_ptr().add(k * d + col + 16 * w).cast())
-            });
-            for (r, a) in acc.iter_mut().enumerate() {
-                let y = _mm512_set1_epi32(unsafe { *ys8.as_ptr().add(r * quarter + q) } as i32);
-                for (a, &m) in a.iter_mut().zip(&mrow) {
-                    *a = _mm512_dpbusd_epi32(*a, y, m);
-                }
-            }
-        }
+        let narrow = (b.plan.narrow.as_slice(), b.ms8, ys8, quarter);
+        unsafe {
+            accumulate(&mut acc, narrow, col, d, |a, y, m| {
+                _mm512_dpbusd_epi32(a, y, m)
+            })
+        };
         for w in 0..W {
             let s = unsafe { _mm512_loadu_ps(b.narrow_scale.as_ptr().add(col + 16 * w)) };
             for (r, a) in acc.iter().enumerate() {
