@@ -137,37 +137,48 @@ fn stats(y: &[f32], d: usize, m: &[f32]) -> Stats {
         if differs[j] {
             let c = s / n;
             centre[j] = c;
-            spread[j] = larger(hi - c, c - lo);
-            square[j] = larger(q / n - c * c, 0.0);
+            (spread[j], square[j]) = settle(c, lo, hi, q, n);
         }
     }
-    let fixed = centre_product(&centre, d, m);
-    Stats {
-        pairs: varying_pairs(&differs),
-        centre,
-        fixed,
-        spread,
-        square,
-    }
+    Stats::new(&differs, centre, spread, square, d, m)
 }
 
-/// The pairs with a varying coordinate.
-fn varying_pairs(differs: &[bool]) -> Vec<usize> {
-    (0..differs.len() / 2)
-        .filter(|&p| differs[2 * p] || differs[2 * p + 1])
-        .collect()
-}
-
-/// `c M`, summed over the coordinates in order (a product and a sum each, not fused).
+/// A varying coordinate's spread and mean square from its mean `c`, its least and largest
+/// value and its sum of squares over `n` tokens.
 #[inline(always)]
-fn centre_product(centre: &[f32], d: usize, m: &[f32]) -> Vec<f32> {
-    let mut fixed = vec![0.0f32; d];
-    for (j, &c) in centre.iter().enumerate().filter(|&(_, &c)| c != 0.0) {
-        for (f, &x) in fixed.iter_mut().zip(&m[j * d..][..d]) {
-            *f += c * x;
+fn settle(c: f32, lo: f32, hi: f32, squares: f32, n: f32) -> (f32, f32) {
+    (larger(hi - c, c - lo), larger(squares / n - c * c, 0.0))
+}
+
+impl Stats {
+    /// The block's statistics from each coordinate's: its varying pairs, and `c M` summed in
+    /// coordinate order (a product and a sum each, not fused).
+    #[inline(always)]
+    fn new(
+        differs: &[bool],
+        centre: Vec<f32>,
+        spread: Vec<f32>,
+        square: Vec<f32>,
+        d: usize,
+        m: &[f32],
+    ) -> Self {
+        let mut fixed = vec![0.0f32; d];
+        for (j, &c) in centre.iter().enumerate().filter(|&(_, &c)| c != 0.0) {
+            for (f, &x) in fixed.iter_mut().zip(&m[j * d..][..d]) {
+                *f += c * x;
+            }
+        }
+        let pairs = (0..d / 2)
+            .filter(|&p| differs[2 * p] || differs[2 * p + 1])
+            .collect();
+        Stats {
+            pairs,
+            centre,
+            fixed,
+            spread,
+            square,
         }
     }
-    fixed
 }
 
 /// The [`Plan`] of a block of [`Stats`] `stats` against frame `m` (`d x d`) and its
@@ -375,7 +386,7 @@ pub(super) fn product(y: &[f32], d: usize, m: &[f32], rows: &[f32], out: &mut [f
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86 {
-    use super::{centre_product, column_scales, larger, plan, varying_pairs, Stats, BYTE};
+    use super::{column_scales, plan, settle, Stats, BYTE};
     use std::arch::x86_64::*;
 
     /// Tokens per tile: 8 tokens by 32 columns, one 512-bit int32 accumulator per 16.
@@ -578,18 +589,10 @@ mod x86 {
             for k in (0..16).filter(|&k| f >> k & 1 != 0) {
                 let (j, c) = (c0 + k, c16[k]);
                 (differs[j], centre[j]) = (true, c);
-                spread[j] = larger(hi16[k] - c, c - lo16[k]);
-                square[j] = larger(q16[k] / n - c * c, 0.0);
+                (spread[j], square[j]) = settle(c, lo16[k], hi16[k], q16[k], n);
             }
         }
-        let fixed = centre_product(&centre, d, m);
-        Stats {
-            pairs: varying_pairs(&differs),
-            centre,
-            fixed,
-            spread,
-            square,
-        }
+        Stats::new(&differs, centre, spread, square, d, m)
     }
 
     /// `acc[r][w] = op(acc[r][w], ys[r * stride + i_k] broadcast, ms[k * d + col + 16 w..])`
