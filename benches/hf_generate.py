@@ -265,10 +265,10 @@ def main(argv=None) -> None:
     )
     ap.add_argument(
         "--attention-precision",
-        choices=["bfloat16", "float32", "int16", "int8"],
+        choices=["bfloat16", "float32", "int16"],
         default=None,
         help="KakeyaCache's attention_precision: the key frame product's arithmetic on the CPU "
-        "(default: the cache's default; int16, int8 and bfloat16 where the CPU multiplies them "
+        "(default: the cache's default; int16 and bfloat16 where the CPU multiplies them "
         "natively, float32 elsewhere)",
     )
     ap.add_argument(
@@ -352,11 +352,7 @@ def main(argv=None) -> None:
         hot += ", values as int8 rows"
     print(f"kakeya hot window: {probe.residual_length} tokens and more, held in {hot}")
     hd = kv_geometry(model.config).head_dim
-    native = {
-        "int16": kt.codec.int16_products(hd),
-        "int8": kt.codec.int8_products(hd),
-        "bfloat16": kt.codec.bf16_products(hd),
-    }
+    native = {"int16": kt.codec.int16_products(hd), "bfloat16": kt.codec.bf16_products(hd)}
     print(
         f"kakeya attention precision: {probe.attention_precision} (native products on this "
         "CPU: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in native.items()) + ")"

@@ -1,4 +1,4 @@
-"""What the key frame product in int16, int8 or bfloat16 costs in quality, over many passages.
+"""What the key frame product in int16 or bfloat16 costs in quality, over many passages.
 
     .venv/bin/python benches/probe_attention_precision.py --calibration BUNDLE
         [--context 4096] [--passages 8] [--steps 64]
@@ -62,8 +62,8 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--precisions",
         nargs="+",
-        default=["int16", "int8", "bfloat16"],
-        choices=["int16", "int8", "bfloat16"],
+        default=["int16", "bfloat16"],
+        choices=["int16", "bfloat16"],
         help="attention precisions compared with float32",
     )
     args = ap.parse_args(argv)
@@ -84,11 +84,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"{args.text}: {ids.shape[1]} tokens, need {span * args.passages}")
     calibration = Calibration.load(args.calibration, model)
     hd = kv_geometry(model.config).head_dim
-    native = {
-        "int16": kt.codec.int16_products(hd),
-        "int8": kt.codec.int8_products(hd),
-        "bfloat16": kt.codec.bf16_products(hd),
-    }
+    native = {"int16": kt.codec.int16_products(hd), "bfloat16": kt.codec.bf16_products(hd)}
     print(
         f"model {Path(args.model).name}, context {args.context}, {args.passages} passages x "
         f"{args.steps} teacher-forced steps, bundle {args.calibration}, torch threads "

@@ -19,7 +19,6 @@ from kakeyaturbo.codec import (
     coded_key_logits,
     coded_value_sums,
     decode_norm_codes,
-    int8_products,
     int16_products,
 )
 from kakeyaturbo.hf import int8_rows
@@ -81,18 +80,13 @@ def test_key_logits_equal_rope_of_decoded_keys(rot_dim, adjacent):
 
 @pytest.mark.parametrize(
     ("precision", "native", "bound"),
-    [
-        ("int16", int16_products, 2**-9),
-        ("int8", int8_products, 2**-7),
-        ("bfloat16", bf16_products, 2**-7),
-    ],
+    [("int16", int16_products, 2**-9), ("bfloat16", bf16_products, 2**-7)],
 )
 def test_narrow_precisions_stay_close_to_the_float32_frame_product(precision, native, bound):
-    """``precision="int16"`` / ``"int8"`` / ``"bfloat16"``: the logits and the whole attention
-    within the narrow products' rounding of the float32 ones (int16: 11-13 bits of each input,
-    int8: those for a third of each block's coordinates, 7 and a sign for the rest, bfloat16:
-    8 relative to the value); computed so only where the CPU can (``int16_products`` /
-    ``int8_products`` / ``bf16_products``), float32 bit for bit elsewhere."""
+    """``precision="int16"`` / ``"bfloat16"``: the logits and the whole attention within the
+    narrow products' rounding of the float32 ones (int16: 11-13 bits of each input, bfloat16:
+    8); computed so only where the CPU can (``int16_products`` / ``bf16_products``), float32
+    bit for bit elsewhere."""
     encs, _ = coded_stream_major(5)
     s = ROWS * HEADS
     g = torch.Generator().manual_seed(6)
@@ -119,8 +113,7 @@ def test_unknown_precisions_are_refused_by_name():
     s = ROWS * HEADS
     q = np.zeros((s, G, D), np.float32)
     exact = np.zeros((s, 0, D), np.float32)
-    refused = "precision must be 'float32', 'int16', 'int8' or 'bfloat16'"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match="precision must be 'float32', 'int16' or 'bfloat16'"):
         coded_key_logits(encs, s, q, precision="float16")
     with pytest.raises(ValueError, match="precision"):
         coded_attend(encs, encs, s, q, exact, exact, 0.125, precision="fp8")

@@ -274,12 +274,10 @@ def coded_key_logits(
     float32, C-contiguous. ``precision``: the frame product's arithmetic, the costliest part:
     ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as 16-bit integers
     with scales per block, 11-13 bits of each, exact int32 sums; the mean's product in
-    float32) where :func:`int16_products` says the CPU has AVX512-VNNI; ``"int8"`` (so for the
-    third of each block's coordinates with the largest frame rows, 8-bit integers for the
-    rest: about 1.3x int16's rate at about bfloat16's rounding) where :func:`int8_products`
-    says so; or ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where
-    :func:`bf16_products` says it multiplies bfloat16 natively. int16 and bfloat16 run at
-    twice the float32 rate there; each runs the float32 product elsewhere."""
+    float32) where :func:`int16_products` says the CPU has AVX512-VNNI; or ``"bfloat16"``
+    (both rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
+    bfloat16 natively. Both run at twice the float32 rate there and run the float32 product
+    elsewhere."""
     return _core.coded_key_logits(
         _raws(encs),
         streams,
@@ -304,13 +302,6 @@ def int16_products(head_dim: int) -> bool:
     of ``head_dim`` coordinates (AVX512-VNNI, ``head_dim`` a multiple of 16); where it does
     not, that precision runs the float32 product."""
     return _core.int16_products(head_dim)
-
-
-def int8_products(head_dim: int) -> bool:
-    """Whether ``precision="int8"`` multiplies in 8-bit integers on this CPU for coded streams
-    of ``head_dim`` coordinates (AVX512-VNNI, ``head_dim`` a multiple of 16); where it does
-    not, that precision runs the float32 product."""
-    return _core.int8_products(head_dim)
 
 
 def coded_value_sums(

@@ -71,7 +71,7 @@ def _floating_dtype(name: str, value: object) -> torch.dtype | None:
 
 
 #: The arithmetic of the codec's key frame product on the CPU (``attention_precision``).
-ATTENTION_PRECISIONS = ("bfloat16", "float32", "int16", "int8")
+ATTENTION_PRECISIONS = ("bfloat16", "float32", "int16")
 
 
 def _attention_precision(value: object) -> str:
@@ -132,13 +132,10 @@ class KakeyaCache(Cache):
             integers with scales per block (11-13 bits of each), exact int32 sums, where the
             CPU has AVX512-VNNI (twice the float32 rate), float32 elsewhere. ``"float32"``:
             float32 throughout. ``"bfloat16"``: both rounded to bfloat16, float32 sums, where
-            the CPU has AVX512-BF16. ``"int8"``: each block's largest third of the coordinates
-            as int16 does, the rest as bytes (AVX512-VNNI's byte products), for about 1.3x
-            int16's product rate at about bfloat16's rounding (a decode step at 8k about 4%
-            faster). On SmolLM2 at 4k no narrow product moved the teacher-forced KL
-            measurably (6 passages: int16 +1.0% +- 0.8%, bfloat16 -1.0% +- 1.4%, int8 +0.2% +-
-            1.1%), and int16 moves the logits 5-15x less than bfloat16 (``docs/speed.md``,
-            25th and 42nd sessions).
+            the CPU has AVX512-BF16. On SmolLM2 at 4k neither narrow product moved the
+            teacher-forced KL measurably (6 passages: int16 +1.0% +- 0.8%, bfloat16 -1.0% +-
+            1.4%), and int16 moves the logits 5-15x less than bfloat16
+            (``docs/speed.md``, 25th session).
         prepare_keys_ahead: in a decode step, make the next layers' coded keys (decoding,
             frame product, RoPE: everything of their attention that needs no query) on the
             codec's idle worker while the model runs this layer's MLP and the next layers'

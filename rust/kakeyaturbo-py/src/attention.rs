@@ -239,9 +239,8 @@ pub(crate) fn precision_arg(name: &str) -> PyResult<Precision> {
         "float32" => Ok(Precision::F32),
         "bfloat16" => Ok(Precision::Bf16),
         "int16" => Ok(Precision::I16),
-        "int8" => Ok(Precision::I8),
         _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "precision must be 'float32', 'int16', 'int8' or 'bfloat16', got {name:?}"
+            "precision must be 'float32', 'int16' or 'bfloat16', got {name:?}"
         ))),
     }
 }
@@ -260,13 +259,6 @@ pub fn int16_products(head_dim: usize) -> bool {
     core::int16_products(head_dim)
 }
 
-/// Whether `precision="int8"` multiplies in 8-bit integers on this CPU for coded streams of
-/// `head_dim` coordinates (AVX512-VNNI and a multiple of 16); where not, it runs float32.
-#[pyfunction]
-pub fn int8_products(head_dim: usize) -> bool {
-    core::int8_products(head_dim)
-}
-
 fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Bound<'py, PyAny>> {
     Ok(PyArray1::from_vec(py, v).reshape(shape)?.into_any())
 }
@@ -280,9 +272,8 @@ fn output<'py>(py: Python<'py>, v: Vec<f32>, shape: [usize; 3]) -> PyResult<Boun
 /// streams coded across heads); `norms`: `[streams,
 /// tokens]` or norm codes (None: scale 1). `precision`: the frame product's arithmetic,
 /// "float32", "int16" (the coordinates less their block mean and the frame as 16-bit integers
-/// with per-block scales, exact int32 sums, where `int16_products`), "int8" (so for a third
-/// of each block's coordinates, 8-bit integers for the rest, where `int8_products`) or
-/// "bfloat16" (both rounded to bfloat16, float32 sums, where `bf16_products`).
+/// with per-block scales, exact int32 sums, where `int16_products`) or "bfloat16" (both
+/// rounded to bfloat16, float32 sums, where `bf16_products`).
 #[pyfunction]
 #[pyo3(signature = (encs, streams, queries, frames=None, rotation=None, norms=None,
     precision="float32", rotation_repeats=1))]

@@ -35,7 +35,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::decode_norm_codes, m)?)?;
     m.add_function(wrap_pyfunction!(attention::bf16_products, m)?)?;
     m.add_function(wrap_pyfunction!(attention::int16_products, m)?)?;
-    m.add_function(wrap_pyfunction!(attention::int8_products, m)?)?;
     m.add_function(wrap_pyfunction!(prepared::prepare_keys, m)?)?;
     m.add_function(wrap_pyfunction!(int8_rows::int8_rows_encode, m)?)?;
     m.add_function(wrap_pyfunction!(codec::gaussian_codebook, m)?)?;
@@ -79,7 +78,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
             "encode_batch",
             "encode_layer",
             "int16_products",
-            "int8_products",
             "int8_rows_encode",
             "fit_codebook",
             "gaussian_codebook",

@@ -383,9 +383,6 @@ fn bench_coded_attention(c: &mut Criterion) {
         g.bench_function(id("key_logits_int16_1t"), |b| {
             one.install(|| b.iter(|| logits(frame, Precision::I16)))
         });
-        g.bench_function(id("key_logits_int8_1t"), |b| {
-            one.install(|| b.iter(|| logits(frame, Precision::I8)))
-        });
         g.bench_function(id("key_logits_no_frame_1t"), |b| {
             one.install(|| b.iter(|| logits(None, Precision::F32)))
         });

@@ -31,7 +31,6 @@ use crate::parallel;
 mod attend;
 mod bf16;
 mod int16;
-mod int8;
 mod norms;
 mod prepared;
 
@@ -59,11 +58,6 @@ pub enum Precision {
     /// the float32 rate where the CPU has AVX512-VNNI and the head dim is a multiple of 16;
     /// float32 everywhere else (`int16.rs`, [`int16_products`]).
     I16,
-    /// As [`Precision::I16`] for the third of each block's coordinates with the largest frame
-    /// rows (by their spread), 8-bit integers for the rest (7 bits and a sign of each):
-    /// about 1.3x `I16`'s rate at about bfloat16's rounding on the same CPUs, float32
-    /// everywhere else (`int8.rs`, [`int8_products`]).
-    I8,
 }
 
 /// Whether [`Precision::Bf16`] multiplies in bfloat16 on this CPU for head dim `d` (else it
@@ -78,12 +72,6 @@ pub fn int16_products(d: usize) -> bool {
     int16::available() && int16::fits(d)
 }
 
-/// Whether [`Precision::I8`] multiplies in 8-bit integers on this CPU for head dim `d` (else
-/// it runs the float32 product).
-pub fn int8_products(d: usize) -> bool {
-    int8::available() && int8::fits(d)
-}
-
 /// How one block's frame product runs ([`Precision`] as this CPU takes it).
 #[derive(Clone, Copy)]
 enum Product<'a> {
@@ -91,8 +79,6 @@ enum Product<'a> {
     /// The frame as bfloat16 pairs ([`bf16::pack_pairs`]).
     Bf16(&'a [u32]),
     I16,
-    /// The frame's [`int8::frame_rows`].
-    I8(&'a [f32]),
 }
 
 /// Coded streams as the kernels take them: `streams` streams one after the other, each
@@ -322,8 +308,7 @@ impl KeyInputs<'_> {
     }
 
     /// The frame product's form on this CPU: the frames as bfloat16 pairs when they are
-    /// multiplied so (once per call: a few microseconds for 192 x 192), or whether in int16 or
-    /// int8.
+    /// multiplied so (once per call: a few microseconds for 192 x 192), or whether in int16.
     fn products(&self, d: usize) -> Products {
         Products {
             pairs: self
@@ -331,10 +316,6 @@ impl KeyInputs<'_> {
                 .filter(|_| self.precision == Precision::Bf16 && bf16_products(d))
                 .map(|(m, heads)| (bf16::pack_pairs(m, d), heads)),
             int16: self.precision == Precision::I16 && int16_products(d),
-            int8: self
-                .frames
-                .filter(|_| self.precision == Precision::I8 && int8_products(d))
-                .map(|(m, heads)| (int8::frame_rows(m, d), heads)),
         }
     }
 
@@ -349,11 +330,10 @@ impl KeyInputs<'_> {
     ) -> BlockInputs<'p> {
         let (s_n, t_n, d) = (coded.streams, coded.tokens(), coded.d);
         let (t0, n) = (coded.offsets[b], coded.offsets[b + 1] - coded.offsets[b]);
-        let product = match (&products.pairs, &products.int8) {
-            (Some((p, heads)), _) => Product::Bf16(&p[(s % heads) * d * d / 2..][..d * d / 2]),
-            _ if products.int16 => Product::I16,
-            (None, Some((r, heads))) => Product::I8(&r[(s % heads) * 2 * d..][..2 * d]),
-            (None, None) => Product::F32,
+        let product = match &products.pairs {
+            Some((p, heads)) => Product::Bf16(&p[(s % heads) * d * d / 2..][..d * d / 2]),
+            None if products.int16 => Product::I16,
+            None => Product::F32,
         };
         let rot = self.rotation.map(|r| {
             let row = if r.rows == 1 { 0 } else { s / (s_n / r.rows) };
@@ -379,8 +359,6 @@ type BlockInputs<'a> = (Option<&'a [f32]>, Product<'a>, Option<BlockAngles<'a>>)
 struct Products {
     pairs: Option<(Vec<u32>, usize)>,
     int16: bool,
-    /// The frames' [`int8::frame_rows`] and their count.
-    int8: Option<(Vec<f32>, usize)>,
 }
 
 /// [`key_logits`], reading the blocks `prepared` holds (made with the same `keys`) instead of
@@ -841,7 +819,6 @@ fn block_keys<const FMA: bool>(
     match (m, product) {
         (Some(m), Product::Bf16(mp)) => bf16::product(y, d, m, mp, own),
         (Some(m), Product::I16) => int16::product(y, d, m, own),
-        (Some(m), Product::I8(rows)) => int8::product(y, d, m, rows, own),
         (Some(m), Product::F32) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
         (None, _) => own.copy_from_slice(y),
     }

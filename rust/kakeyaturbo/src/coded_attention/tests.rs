@@ -553,74 +553,6 @@ fn int16_precision_keeps_logits_far_closer_than_bfloat16() {
 }
 
 #[test]
-fn int8_frame_product_is_its_integer_reference_within_its_levels() {
-    // 13 tokens: a tile of 8, then five alone; 16 columns and tiles of 32 (and 32 + 16).
-    for d in [16, 48, 64, 192] {
-        let n = 13;
-        let mut y = block_with_fixed_coordinates(n, d, 41 + d as u64);
-        // Coordinates of very different spreads, so the ranking and the balance matter.
-        for yt in y.chunks_exact_mut(d) {
-            for (j, v) in yt.iter_mut().enumerate() {
-                *v *= 1.0 + (j % 7) as f32;
-            }
-        }
-        let m = normals(d * d, 42);
-        let q = int8::quantise(&y, d, &m);
-        let (wide, narrow) = (&q.plan.wide, &q.plan.narrow);
-        // Coordinates 4-5 and 10-11 are fixed, 8 too: fours 1 and 2 still vary.
-        let mut wide_fours: Vec<usize> = wide.iter().map(|&p| p / 2).collect();
-        wide_fours.dedup();
-        let fours = wide_fours.len() + narrow.len();
-        assert!(!narrow.is_empty() && fours == d / 4, "{wide:?} {narrow:?}");
-        assert_eq!(wide_fours.len(), fours.div_ceil(3));
-        let mut reference = vec![0.0f32; n * d];
-        int8::product_scalar(&q, d, &mut reference);
-        if int8::available() {
-            let mut out = vec![0.0f32; n * d];
-            int8::product(&y, d, &m, &int8::frame_rows(&m, d), &mut out);
-            assert_eq!(
-                out, reference,
-                "d={d}: the CPU's product is its reference's"
-            );
-        }
-        let mut worst_rel = 0.0f64;
-        for c in 0..d {
-            for t in 0..n {
-                let exact: f64 = (0..d)
-                    .map(|j| y[t * d + j] as f64 * m[j * d + c] as f64)
-                    .sum();
-                let mass: f64 = (0..d)
-                    .map(|j| ((y[t * d + j] - q.plan.centre[j]) as f64 * m[j * d + c] as f64).abs())
-                    .sum();
-                let err = (reference[t * d + c] as f64 - exact).abs();
-                worst_rel = worst_rel.max(err / mass);
-            }
-        }
-        // Rounded, and well within a byte's reach of the residuals' products.
-        assert!(
-            worst_rel > 1e-6 && worst_rel < 2.0 / 127.0,
-            "d={d}: {worst_rel}"
-        );
-    }
-}
-
-#[test]
-fn int8_precision_keeps_logits_near_bfloat16s() {
-    let (exact, ints) = (frame_logits(Precision::F32), frame_logits(Precision::I8));
-    if !int8_products(FRAME_D) {
-        assert_eq!(
-            exact, ints,
-            "without AVX512-VNNI the int8 precision is float32"
-        );
-        return;
-    }
-    let (scale, w8) = (largest(&exact), largest_gap(&exact, &ints));
-    assert!(w8 > 0.0 && w8 <= 1e-2 * scale, "{w8} of {scale}");
-    let w16 = largest_gap(&exact, &frame_logits(Precision::I16));
-    assert!(w16 * 2.0 < w8, "int16 {w16} against int8 {w8}");
-}
-
-#[test]
 fn mismatched_layouts_and_lengths_are_refused() {
     let (encs, _) = coded(2, &[16, 8], 64);
     let refs: Vec<&EncodedLayer> = encs.iter().collect();
@@ -1399,12 +1331,7 @@ fn repeated_angles_turn_as_the_table_spelled_out() {
         pairs: pairs * repeats,
         repeats: 1,
     };
-    for precision in [
-        Precision::F32,
-        Precision::Bf16,
-        Precision::I16,
-        Precision::I8,
-    ] {
+    for precision in [Precision::F32, Precision::Bf16, Precision::I16] {
         for frames in [Some((frames.as_slice(), 1)), None] {
             let logits =
                 |r: &RopeAngles<'_>| key_logits(&c, frames, Some(r), None, &q, g, precision);
