@@ -315,31 +315,40 @@ mod x86 {
             let rows = (n - t).min(TILE);
             let yt = &ys[t * half..][..rows * half];
             let o = &mut out[t * d..][..rows * d];
-            for col in (0..d).step_by(16) {
+            // Tiles 32 columns wide where they fit: each token's broadcast feeds two products.
+            let mut col = 0;
+            while col < d {
+                let width = if d - col >= 32 { 32 } else { 16 };
                 let cols = Columns {
-                    fixed: &fixed[col..col + 16],
-                    scale: &col_scale[col..col + 16],
+                    fixed: &fixed[col..col + width],
+                    scale: &col_scale[col..col + width],
                     ms: &ms[col..],
                     d,
                 };
-                // SAFETY: the caller's features; `col + 16 <= d`, `rows` rows of `yt`, `o`.
+                // SAFETY: the caller's features; `col + width <= d`, `rows` rows of `yt`, `o`.
                 unsafe {
-                    match rows {
-                        TILE => tile::<TILE>(&active, &cols, yt, half, &mut o[col..]),
+                    match (rows, width) {
+                        (TILE, 32) => tile::<TILE, 2>(&active, &cols, yt, half, &mut o[col..]),
+                        (TILE, _) => tile::<TILE, 1>(&active, &cols, yt, half, &mut o[col..]),
                         _ => {
                             for (i, o) in o.chunks_exact_mut(d).enumerate() {
-                                tile::<1>(&active, &cols, &yt[i * half..], half, &mut o[col..]);
+                                let (yi, o) = (&yt[i * half..], &mut o[col..]);
+                                match width {
+                                    32 => tile::<1, 2>(&active, &cols, yi, half, o),
+                                    _ => tile::<1, 1>(&active, &cols, yi, half, o),
+                                }
                             }
                         }
                     }
                 }
+                col += width;
             }
             t += rows;
         }
     }
 
-    /// Sixteen output columns: their centre product, their scales and the scaled frame's
-    /// pairs from these columns on (`ms[k * d..][..16]` is active pair `k`'s).
+    /// `16 W` output columns: their centre product, their scales and the scaled frame's pairs
+    /// from these columns on (`ms[k * d..][..16 W]` is active pair `k`'s).
     struct Columns<'a> {
         fixed: &'a [f32],
         scale: &'a [f32],
@@ -347,41 +356,47 @@ mod x86 {
         d: usize,
     }
 
-    /// `out[r * d..][..16] = fixed + scale * sum over active pairs k of ys[r, p_k] . ms[k]` for
-    /// `R` tokens (`ys` holds `R` rows of `half` pairs).
+    /// `out[r * d..][..16 W] = fixed + scale * sum over active pairs k of ys[r, p_k] . ms[k]`
+    /// for `R` tokens (`ys` holds `R` rows of `half` pairs).
     ///
     /// # Safety
     /// As [`product`]; every active pair is below `half`; the lengths are asserted.
     #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma")]
-    unsafe fn tile<const R: usize>(
+    unsafe fn tile<const R: usize, const W: usize>(
         active: &[usize],
         cols: &Columns<'_>,
         ys: &[u32],
         half: usize,
         out: &mut [f32],
     ) {
-        let d = cols.d;
-        assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + 16);
-        assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + 16);
-        assert!(cols.fixed.len() == 16 && cols.scale.len() == 16);
-        let mut acc = [_mm512_setzero_si512(); R];
+        let (d, width) = (cols.d, 16 * W);
+        assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + width);
+        assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + width);
+        assert!(cols.fixed.len() == width && cols.scale.len() == width);
+        let mut acc = [[_mm512_setzero_si512(); W]; R];
         for (k, &p) in active.iter().enumerate() {
             // SAFETY (every load and store): the bounds asserted above.
-            let mrow = unsafe { _mm512_loadu_si512(cols.ms.as_ptr().add(k * d).cast()) };
+            let mrow: [__m512i; W] = std::array::from_fn(|w| unsafe {
+                _mm512_loadu_si512(cols.ms.as_ptr().add(k * d + 16 * w).cast())
+            });
             for (r, a) in acc.iter_mut().enumerate() {
                 let b = _mm512_set1_epi32(unsafe { *ys.as_ptr().add(r * half + p) } as i32);
-                *a = _mm512_dpwssd_epi32(*a, mrow, b);
+                for (a, &m) in a.iter_mut().zip(&mrow) {
+                    *a = _mm512_dpwssd_epi32(*a, m, b);
+                }
             }
         }
-        let (f, s) = unsafe {
-            (
-                _mm512_loadu_ps(cols.fixed.as_ptr()),
-                _mm512_loadu_ps(cols.scale.as_ptr()),
-            )
-        };
-        for (r, a) in acc.iter().enumerate() {
-            let v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(*a), f);
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * d), v) };
+        for w in 0..W {
+            let (f, s) = unsafe {
+                (
+                    _mm512_loadu_ps(cols.fixed.as_ptr().add(16 * w)),
+                    _mm512_loadu_ps(cols.scale.as_ptr().add(16 * w)),
+                )
+            };
+            for (r, a) in acc.iter().enumerate() {
+                let v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(a[w]), f);
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * d + 16 * w), v) };
+            }
         }
     }
 }

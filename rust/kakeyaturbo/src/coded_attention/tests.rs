@@ -479,8 +479,8 @@ fn block_with_fixed_coordinates(n: usize, d: usize, seed: u64) -> Vec<f32> {
 
 #[test]
 fn int16_frame_product_is_its_integer_reference_within_the_level() {
-    // 13 tokens: a tile of 8, then five alone.
-    for d in [16, 64, 192] {
+    // 13 tokens: a tile of 8, then five alone; tiles of 16 columns, 32, and 32 + 16.
+    for d in [16, 48, 64, 192] {
         let n = 13;
         let y = block_with_fixed_coordinates(n, d, 31 + d as u64);
         let m = normals(d * d, 32);
