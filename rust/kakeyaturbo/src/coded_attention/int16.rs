@@ -182,7 +182,8 @@ mod x86 {
     use super::{level, split_pairs};
     use std::arch::x86_64::*;
 
-    /// Tokens per tile: 8 tokens by 16 columns, one 512-bit int32 accumulator each.
+    /// Tokens per tile: 8 tokens by 32 columns (16 where only 16 are left), one 512-bit int32
+    /// accumulator per token and 16 columns: 16 of AVX-512's 32 registers.
     const TILE: usize = 8;
 
     /// [`super::product`], with `ys` and `ms` to hold the block's integer pairs (grown as
