@@ -326,6 +326,13 @@ fn bench_recipe(c: &mut Criterion) {
 /// sums, `attend` both kernels with the softmax and an exact part between them (the decoded
 /// bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes
 /// decoded, so each reads as a ratio to `decode` in the same run.
+/// Decodes each of `encs` into `out` in turn (a block's worth, reused).
+fn decode_each(encs: &[&EncodedLayer], out: &mut [f32]) {
+    for e in encs {
+        decode_layer_into(black_box(e), None, out).unwrap();
+    }
+}
+
 fn bench_coded_attention(c: &mut Criterion) {
     const STREAMS: usize = 3;
     const ROWS: usize = 3;
@@ -356,13 +363,7 @@ fn bench_coded_attention(c: &mut Criterion) {
 
         let mut out = vec![0.0f32; RECIPE_BLOCK * d];
         g.bench_function(id("decode_1t"), |b| {
-            one.install(|| {
-                b.iter(|| {
-                    for e in &refs {
-                        decode_layer_into(black_box(e), None, &mut out).unwrap();
-                    }
-                })
-            })
+            one.install(|| b.iter(|| decode_each(&refs, &mut out)))
         });
         let rotation = RopeAngles {
             values: &rot,
@@ -399,13 +400,7 @@ fn bench_coded_attention(c: &mut Criterion) {
                 one.install(|| b.iter(|| value_sums(&joint, &w9, None, 9)))
             });
             g.bench_function(id("decode_joint_1t"), |b| {
-                one.install(|| {
-                    b.iter(|| {
-                        for e in &refs[..blocks] {
-                            decode_layer_into(black_box(e), None, &mut out).unwrap();
-                        }
-                    })
-                })
+                one.install(|| b.iter(|| decode_each(&refs[..blocks], &mut out)))
             });
             g.throughput(f32_bytes(STREAMS * t, d));
         }
