@@ -27,7 +27,9 @@ masked gets zeros, as the torch path's ``nan_to_num`` gives.
 Used on CUDA devices where Triton imports, unless ``KAKEYATURBO_TRITON=0``; its first call on
 each device is checked against :func:`attend_with_torch` in float64 (to :data:`TOLERANCE`),
 and a kernel that fails or disagrees there is not used again in the process: the torch twin
-runs instead. ``tests/test_fused_joint_attend.py`` runs it in Triton's interpreter on the CPU.
+runs instead. ``tests/test_fused_joint_attend.py`` runs it in Triton's interpreter on the CPU
+and compiles each launch there for sm_90 and sm_80 (``tests/triton_launches.py``); its first
+GPU run found two errors only the compiler sees (reports/gpu_h100.txt, 43rd session).
 """
 
 from __future__ import annotations
@@ -382,12 +384,15 @@ if triton is not None:
         """Token scales at ``at`` (``blk``: their blocks' low and step): float32 as given, or
         decoded from their codes as ``fused_decode``'s norm kernel does, ``exp2((code - 1) *
         step + low)``, zero for code 0."""
+        # One return of one type: Triton compiles every return, the constexpr branch too.
         if CODES:
             code = tl.load(scales + at, mask=ok, other=0).to(tl.float32)
             lg = (code - 1.0) * tl.load(step + blk, mask=ok, other=0.0)
             lg += tl.load(low + blk, mask=ok, other=0.0)
-            return tl.where(code == 0.0, 0.0, tl.exp2(lg))
-        return tl.load(scales + at, mask=ok, other=0.0)
+            x = tl.where(code == 0.0, 0.0, tl.exp2(lg))
+        else:
+            x = tl.load(scales + at, mask=ok, other=0.0).to(tl.float32)
+        return x
 
     @triton.jit
     def _values_tile(at, jm, dd, dm, D, INT8: tl.constexpr):
@@ -458,6 +463,193 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             m = top
         return acc, m, total
+
+    @triton.jit
+    def _span_partials(
+        logits,
+        key_scales,
+        key_low,
+        key_step,
+        values,
+        value_scales,
+        value_low,
+        value_step,
+        bias,
+        bias_sb,
+        bias_sq,
+        m_c,
+        l_c,
+        acc_c,
+        b,
+        pid,
+        T,
+        C,
+        H,
+        ROWS,
+        SPAN,
+        SPANS,
+        SLICES,
+        scaling,
+        softcap,
+        TOKENS,
+        HAS_KEY_SCALES: tl.constexpr,
+        HAS_VALUE_SCALES: tl.constexpr,
+        KEY_CODES: tl.constexpr,
+        VALUE_CODES: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+    ):
+        """A partials program over a span of the coded tokens, for all query rows and a slice
+        of the joint coordinates."""
+        Q = H * ROWS
+        span = pid // SLICES
+        cc = (pid % SLICES) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cm = cc < C
+        r = tl.arange(0, BLOCK_Q)
+        rm = r < Q
+        head = (r // ROWS).to(tl.int64)
+        lo = span * SPAN
+        hi = tl.minimum(lo + SPAN, T)
+        row_logits = logits + (b * Q + r)[:, None] * T
+        row_bias = bias + b * bias_sb + r[:, None] * bias_sq
+        scales_at = (b * H + head)[:, None] * T
+        blocks_at = (b * H + head)[:, None] * (T // TOKENS)
+        m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        for t0 in range(lo, hi, BLOCK_T):  # the span's largest score
+            t = t0 + tl.arange(0, BLOCK_T)
+            # Each token's scale, and its block's low and step for scales as codes.
+            at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
+            ok = rm[:, None] & (t < hi)[None, :]
+            raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
+            if HAS_KEY_SCALES:
+                raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
+            s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
+            m = tl.maximum(m, tl.max(s, axis=1))
+        base = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK_T):  # its exponentials and weighted sums
+            t = t0 + tl.arange(0, BLOCK_T)
+            at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
+            tm = t < hi
+            ok = rm[:, None] & tm[None, :]
+            raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
+            if HAS_KEY_SCALES:
+                raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
+            s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
+            p = tl.exp(s - base[:, None])
+            total += tl.sum(p, axis=1)
+            if HAS_VALUE_SCALES:
+                p *= _scales(value_scales, value_low, value_step, at, blk, ok, VALUE_CODES)
+            yv = tl.load(
+                values + (b * T + t.to(tl.int64))[:, None] * C + cc[None, :],
+                mask=tm[:, None] & cm[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(p, yv, input_precision="ieee")
+        at = (b * SPANS + span) * Q + r
+        tl.store(
+            acc_c + at.to(tl.int64)[:, None] * C + cc[None, :],
+            acc,
+            mask=rm[:, None] & cm[None, :],
+        )
+        if pid % SLICES == 0:
+            tl.store(m_c + at, m, mask=rm)
+            tl.store(l_c + at, total, mask=rm)
+
+    @triton.jit
+    def _exact_partials(
+        q,
+        q_sb,
+        q_sh,
+        q_sr,
+        k0,
+        k0_sb,
+        k0_sh,
+        k0_sn,
+        v0,
+        v0_sb,
+        v0_sh,
+        v0_sn,
+        n0,
+        k1,
+        k1_sb,
+        k1_sh,
+        k1_sn,
+        v1,
+        v1_sb,
+        v1_sh,
+        v1_sn,
+        n1,
+        k2,
+        k2_sb,
+        k2_sh,
+        k2_sn,
+        v2,
+        v2_sb,
+        v2_sh,
+        v2_sn,
+        n2,
+        bias,
+        bias_sb,
+        bias_sq,
+        m_e,
+        l_e,
+        acc_e,
+        b,
+        head,
+        T,
+        H,
+        ROWS,
+        D,
+        scaling,
+        softcap,
+        HAS_BIAS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr,
+        INT8_0: tl.constexpr,
+        INT8_1: tl.constexpr,
+        INT8_2: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """A partials program over one KV head's exact tokens: the sinks, the hot window, the
+        new tokens."""
+        rr = tl.arange(0, BLOCK_R)
+        rm = rr < ROWS
+        dd = tl.arange(0, BLOCK_D)
+        dm = dd < D
+        qv = tl.load(
+            q + b * q_sb + head * q_sh + rr[:, None] * q_sr + dd[None, :],
+            mask=rm[:, None] & dm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        bias_row = bias + b * bias_sb + (head * ROWS + rr)[:, None] * bias_sq
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        acc, m, total = _exact_run(
+            acc, m, total, qv, rm, dd, dm, k0, k0_sb, k0_sh, k0_sn, v0, v0_sb, v0_sh, v0_sn,
+            n0, T, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_0,
+            BLOCK_N,
+        )  # fmt: skip
+        acc, m, total = _exact_run(
+            acc, m, total, qv, rm, dd, dm, k1, k1_sb, k1_sh, k1_sn, v1, v1_sb, v1_sh, v1_sn,
+            n1, T + n0, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_1,
+            BLOCK_N,
+        )  # fmt: skip
+        acc, m, total = _exact_run(
+            acc, m, total, qv, rm, dd, dm, k2, k2_sb, k2_sh, k2_sn, v2, v2_sb, v2_sh, v2_sn,
+            n2, T + n0 + n1, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP,
+            INT8_2, BLOCK_N,
+        )  # fmt: skip
+        at = (b * H + head) * ROWS + rr
+        tl.store(acc_e + at[:, None] * D + dd[None, :], acc, mask=rm[:, None] & dm[None, :])
+        tl.store(m_e + at, m, mask=rm)
+        tl.store(l_e + at, total, mask=rm)
 
     @triton.jit
     def _partials_kernel(
@@ -538,96 +730,23 @@ if triton is not None:
     ):
         b = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
-        Q = H * ROWS
+        # Each branch is a function of its own: Triton wants a name assigned in both branches
+        # of a runtime `if` to have one type, and the two programs' tiles differ.
         if pid < SPANS * SLICES:  # a span of the coded tokens, a slice of the coordinates
-            span = pid // SLICES
-            cc = (pid % SLICES) * BLOCK_C + tl.arange(0, BLOCK_C)
-            cm = cc < C
-            r = tl.arange(0, BLOCK_Q)
-            rm = r < Q
-            head = (r // ROWS).to(tl.int64)
-            lo = span * SPAN
-            hi = tl.minimum(lo + SPAN, T)
-            row_logits = logits + (b * Q + r)[:, None] * T
-            row_bias = bias + b * bias_sb + r[:, None] * bias_sq
-            scales_at = (b * H + head)[:, None] * T
-            blocks_at = (b * H + head)[:, None] * (T // TOKENS)
-            m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-            for t0 in range(lo, hi, BLOCK_T):  # the span's largest score
-                t = t0 + tl.arange(0, BLOCK_T)
-                # Each token's scale, and its block's low and step for scales as codes.
-                at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
-                ok = rm[:, None] & (t < hi)[None, :]
-                raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
-                if HAS_KEY_SCALES:
-                    raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
-                s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
-                m = tl.maximum(m, tl.max(s, axis=1))
-            base = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros([BLOCK_Q], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_Q, BLOCK_C], dtype=tl.float32)
-            for t0 in range(lo, hi, BLOCK_T):  # its exponentials and weighted sums
-                t = t0 + tl.arange(0, BLOCK_T)
-                at, blk = scales_at + t[None, :], blocks_at + (t // TOKENS)[None, :]
-                tm = t < hi
-                ok = rm[:, None] & tm[None, :]
-                raw = tl.load(row_logits + t[None, :], mask=ok, other=0.0)
-                if HAS_KEY_SCALES:
-                    raw *= _scales(key_scales, key_low, key_step, at, blk, ok, KEY_CODES)
-                s = _scored(raw, scaling, softcap, row_bias + t[None, :], ok, HAS_BIAS, HAS_SOFTCAP)
-                p = tl.exp(s - base[:, None])
-                total += tl.sum(p, axis=1)
-                if HAS_VALUE_SCALES:
-                    p *= _scales(value_scales, value_low, value_step, at, blk, ok, VALUE_CODES)
-                yv = tl.load(
-                    values + (b * T + t.to(tl.int64))[:, None] * C + cc[None, :],
-                    mask=tm[:, None] & cm[None, :],
-                    other=0.0,
-                )
-                acc += tl.dot(p, yv, input_precision="ieee")
-            at = (b * SPANS + span) * Q + r
-            tl.store(
-                acc_c + at.to(tl.int64)[:, None] * C + cc[None, :],
-                acc,
-                mask=rm[:, None] & cm[None, :],
-            )
-            if pid % SLICES == 0:
-                tl.store(m_c + at, m, mask=rm)
-                tl.store(l_c + at, total, mask=rm)
-        else:  # one KV head's exact tokens: the sinks, the hot window, the new tokens
-            head = (pid - SPANS * SLICES).to(tl.int64)
-            rr = tl.arange(0, BLOCK_R)
-            rm = rr < ROWS
-            dd = tl.arange(0, BLOCK_D)
-            dm = dd < D
-            qv = tl.load(
-                q + b * q_sb + head * q_sh + rr[:, None] * q_sr + dd[None, :],
-                mask=rm[:, None] & dm[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            bias_row = bias + b * bias_sb + (head * ROWS + rr)[:, None] * bias_sq
-            m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-            total = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-            acc, m, total = _exact_run(
-                acc, m, total, qv, rm, dd, dm, k0, k0_sb, k0_sh, k0_sn, v0, v0_sb, v0_sh, v0_sn,
-                n0, T, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_0,
-                BLOCK_N,
+            _span_partials(
+                logits, key_scales, key_low, key_step, values, value_scales, value_low,
+                value_step, bias, bias_sb, bias_sq, m_c, l_c, acc_c, b, pid, T, C, H, ROWS, SPAN,
+                SPANS, SLICES, scaling, softcap, TOKENS, HAS_KEY_SCALES, HAS_VALUE_SCALES,
+                KEY_CODES, VALUE_CODES, HAS_BIAS, HAS_SOFTCAP, BLOCK_T, BLOCK_C, BLOCK_Q,
             )  # fmt: skip
-            acc, m, total = _exact_run(
-                acc, m, total, qv, rm, dd, dm, k1, k1_sb, k1_sh, k1_sn, v1, v1_sb, v1_sh, v1_sn,
-                n1, T + n0, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP, INT8_1,
-                BLOCK_N,
+        else:  # one KV head's exact tokens
+            _exact_partials(
+                q, q_sb, q_sh, q_sr, k0, k0_sb, k0_sh, k0_sn, v0, v0_sb, v0_sh, v0_sn, n0, k1,
+                k1_sb, k1_sh, k1_sn, v1, v1_sb, v1_sh, v1_sn, n1, k2, k2_sb, k2_sh, k2_sn, v2,
+                v2_sb, v2_sh, v2_sn, n2, bias, bias_sb, bias_sq, m_e, l_e, acc_e, b,
+                (pid - SPANS * SLICES).to(tl.int64), T, H, ROWS, D, scaling, softcap, HAS_BIAS,
+                HAS_SOFTCAP, INT8_0, INT8_1, INT8_2, BLOCK_N, BLOCK_R, BLOCK_D,
             )  # fmt: skip
-            acc, m, total = _exact_run(
-                acc, m, total, qv, rm, dd, dm, k2, k2_sb, k2_sh, k2_sn, v2, v2_sb, v2_sh, v2_sn,
-                n2, T + n0 + n1, bias_row, b, head, D, scaling, softcap, HAS_BIAS, HAS_SOFTCAP,
-                INT8_2, BLOCK_N,
-            )  # fmt: skip
-            at = (b * H + head) * ROWS + rr
-            tl.store(acc_e + at[:, None] * D + dd[None, :], acc, mask=rm[:, None] & dm[None, :])
-            tl.store(m_e + at, m, mask=rm)
-            tl.store(l_e + at, total, mask=rm)
 
     @triton.jit
     def _combine_kernel(
