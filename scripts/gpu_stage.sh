@@ -3,8 +3,9 @@
 # parts of at most 58 MB (for a runner that carries 64 MiB per call): .gpu/1 the kakeyaturbo
 # wheel, the transformers and gguf wheels (for the machine's Python), kt-ref-a, the texts and
 # the first piece of the SmolLM2 GGUF; .gpu/2 and .gpu/3 its other pieces. Carry the parts in
-# order, running `bash scripts/gpu_checks.sh unpack N` after each, then `bash
-# scripts/gpu_checks.sh run` (artifacts/calib-smollm2-joint-both, 17 MB, carried with .gpu/3).
+# order, running `bash scripts/gpu_checks.sh unpack N` after each, the GPU tests with the first
+# (`gpu_checks.sh tests`) and the timings with the last (`gpu_checks.sh bench`;
+# artifacts/calib-smollm2-joint-both, 17 MB, carried with .gpu/3): see gpu_checks.sh.
 #
 #     bash scripts/gpu_stage.sh [python version of the GPU machine, default 3.12]
 set -euo pipefail
