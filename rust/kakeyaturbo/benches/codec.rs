@@ -317,6 +317,13 @@ fn bench_recipe(c: &mut Criterion) {
     g.finish();
 }
 
+/// Decodes each of `encs` into `out` in turn (a block's worth, reused).
+fn decode_each(encs: &[&EncodedLayer], out: &mut [f32]) {
+    for e in encs {
+        decode_layer_into(black_box(e), None, out).unwrap();
+    }
+}
+
 /// Attention over coded blocks as `KakeyaCache` runs it at 4k tokens: 3 KV-head streams of
 /// 4,096 tokens in 256-token blocks, 3 query rows per stream (GQA), one thread; `D192` is a
 /// stream's width with three heads of 64 coded together. `decode` is the floor (every block
@@ -326,13 +333,6 @@ fn bench_recipe(c: &mut Criterion) {
 /// sums, `attend` both kernels with the softmax and an exact part between them (the decoded
 /// bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes
 /// decoded, so each reads as a ratio to `decode` in the same run.
-/// Decodes each of `encs` into `out` in turn (a block's worth, reused).
-fn decode_each(encs: &[&EncodedLayer], out: &mut [f32]) {
-    for e in encs {
-        decode_layer_into(black_box(e), None, out).unwrap();
-    }
-}
-
 fn bench_coded_attention(c: &mut Criterion) {
     const STREAMS: usize = 3;
     const ROWS: usize = 3;
