@@ -14,7 +14,7 @@ Paths of KakeyaCache (the same cache, the same codes; ``hf/coded_attention.py``)
   (``kakeyaturbo.share_torch_threads(False)``) instead of torch's OpenMP threads;
 - ``whole-f32`` / ``whole-int16`` / ``whole-bf16``: ``whole`` with the key frame product in
   each ``attention_precision`` other than the cache's default, which the other paths run (the
-  narrow ones run float32 where the CPU lacks AVX512-VNNI / AVX512-BF16);
+  narrow ones run float32 where the CPU lacks AVX2 or AVX512-VNNI / AVX512-BF16);
 - ``not-ahead``: ``whole`` without the next layer's keys made ahead on the codec's idle worker
   (``prepare_keys_ahead=False``; with more than one torch thread no worker is idle, and the
   two are the same).

@@ -274,10 +274,10 @@ def coded_key_logits(
     float32, C-contiguous. ``precision``: the frame product's arithmetic, the costliest part:
     ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as 16-bit integers
     with scales per block, 11-13 bits of each, exact int32 sums; the mean's product in
-    float32) where :func:`int16_products` says the CPU has AVX512-VNNI; or ``"bfloat16"``
-    (both rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
-    bfloat16 natively. Both run at twice the float32 rate there and run the float32 product
-    elsewhere."""
+    float32) where :func:`int16_products` says the CPU has AVX512-VNNI or AVX2 (the same bits
+    on either); or ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where
+    :func:`bf16_products` says it multiplies bfloat16 natively. Both multiply faster than
+    float32 there (twice its rate with AVX-512) and run the float32 product elsewhere."""
     return _core.coded_key_logits(
         _raws(encs),
         streams,
@@ -299,8 +299,8 @@ def bf16_products(head_dim: int) -> bool:
 
 def int16_products(head_dim: int) -> bool:
     """Whether ``precision="int16"`` multiplies in 16-bit integers on this CPU for coded streams
-    of ``head_dim`` coordinates (AVX512-VNNI, ``head_dim`` a multiple of 16); where it does
-    not, that precision runs the float32 product."""
+    of ``head_dim`` coordinates (AVX512-VNNI or AVX2, ``head_dim`` a multiple of 16); where it
+    does not, that precision runs the float32 product."""
     return _core.int16_products(head_dim)
 
 

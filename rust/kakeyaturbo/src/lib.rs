@@ -23,7 +23,7 @@
 //! over coded blocks without a decoded copy of the layer. The decoder treats every byte as hostile: decoding either
 //! succeeds or returns [`Error`], never panics.
 // The only unsafe code is the run-time dispatch to AVX + FMA builds of the attention kernels
-// (`coded_attention`), to its AVX512-BF16 and AVX512-VNNI frame products
+// (`coded_attention`), to its AVX512-BF16, AVX512-VNNI and AVX2 frame products
 // (`coded_attention/bf16.rs`, `coded_attention/int16.rs`) and to the AVX2 gather decoder of
 // water-filled blocks (`waterfill/gather.rs`), allowed there alone.
 #![deny(unsafe_code)]

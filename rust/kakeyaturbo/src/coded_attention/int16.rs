@@ -1,6 +1,9 @@
 //! The key kernel's frame product `y_t M` in 16-bit integers with exact int32 sums, on CPUs
 //! with AVX512-VNNI (`vpdpwssd`: two 16-bit products per int32 lane, twice the float32 FMA
-//! rate of the same CPU, the rate of the bfloat16 product).
+//! rate of the same CPU, the rate of the bfloat16 product) or AVX2 (`vpmaddwd` and `vpaddd`:
+//! the same int32 sums, so the same bits; 1.6x the float32 FMA rate on a Zen 3, where a 4k
+//! layer's keys across heads took about 0.7x the float32 path's time: `docs/speed.md`, 44th
+//! session; on a Zen 1 no faster, 27th session).
 //!
 //! bfloat16 keeps 8 significant bits of each residual and frame entry (on SmolLM2 that moved
 //! the teacher-forced KL by less than its noise, -1% +- 1.4% over 6 passages at 4k,
@@ -35,19 +38,48 @@ thread_local! {
     static BUFFERS: RefCell<(Vec<u32>, Vec<u32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Whether this CPU runs [`product`].
-pub(super) fn available() -> bool {
+/// The instructions that run [`product`]'s integer tiles on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Isa {
+    /// AVX512-VNNI's `vpdpwssd`: a pair's two products and their sum into an int32 lane, 16
+    /// lanes an instruction.
+    Vnni512,
+    /// AVX2's `vpmaddwd` (the same pair sums, 8 lanes) and a `vpaddd` beside it: on a Zen 3
+    /// 1.6x the float32 FMA rate (`benches/probe_fma_rate.rs`), half the frame bytes read.
+    Avx2,
+}
+
+/// Whether this CPU has the instructions of `isa` (and AVX2 and FMA, which the block's
+/// integer form is made with either way).
+pub(super) fn runs(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512f")
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        avx2 && match isa {
+            Isa::Vnni512 => {
+                is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512f")
+            }
+            Isa::Avx2 => true,
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = isa;
         false
     }
+}
+
+/// The [`Isa`] that runs [`product`] on this CPU, if any: the widest it has.
+pub(super) fn isa() -> Option<Isa> {
+    [Isa::Vnni512, Isa::Avx2].into_iter().find(|&i| runs(i))
+}
+
+/// Whether this CPU runs [`product`].
+pub(super) fn available() -> bool {
+    isa().is_some()
 }
 
 /// Whether [`product`] takes a head dim: whole tiles of 16 columns.
@@ -158,20 +190,32 @@ pub(super) fn product_scalar(q: &Quantised, d: usize, out: &mut [f32]) {
 }
 
 /// `out[t] = y_t M` for every token of a decoded block (`y` and `out` are `n x d`, `n >= 1`,
-/// `M` `d x d`), as the module describes.
+/// `M` `d x d`), as the module describes: the same bits with either [`Isa`].
 ///
 /// Panics unless [`available`] and [`fits`]`(d)` hold and the lengths match: the caller
 /// checks the first two, the shapes are the kernel's own.
 pub(super) fn product(y: &[f32], d: usize, m: &[f32], out: &mut [f32]) {
-    assert!(available() && fits(d));
+    let isa = isa().expect("int16 products need AVX2 and FMA");
+    product_with(isa, y, d, m, out);
+}
+
+/// [`product`] with the tiles of `isa` (the tests run each one the CPU has).
+///
+/// Panics unless [`runs`]`(isa)` and [`fits`]`(d)` hold and the lengths match.
+pub(super) fn product_with(isa: Isa, y: &[f32], d: usize, m: &[f32], out: &mut [f32]) {
+    assert!(runs(isa) && fits(d));
     assert!(y.len().is_multiple_of(d) && out.len() == y.len() && m.len() == d * d);
     #[cfg(target_arch = "x86_64")]
     BUFFERS.with_borrow_mut(|(ys, ms)| {
         #[allow(unsafe_code)]
-        // SAFETY: `available()` found AVX512-VNNI, -BW, -VL and -F; the shapes are asserted
-        // above.
+        // SAFETY: `runs(isa)` found AVX2 and FMA, and AVX512-VNNI, -BW, -VL and -F for
+        // `Isa::Vnni512`; the shapes are asserted above.
         unsafe {
-            x86::product(y, d, m, ys, ms, out)
+            let block = x86::quantise(y, d, m, ys, ms);
+            match isa {
+                Isa::Vnni512 => x86::tiles_vnni(&block, ys, ms, d, out),
+                Isa::Avx2 => x86::tiles_avx2(&block, ys, ms, d, out),
+            }
         }
     });
 }
@@ -182,174 +226,122 @@ mod x86 {
     use super::{level, split_pairs};
     use std::arch::x86_64::*;
 
-    /// Tokens per tile: 8 tokens by 32 columns (16 where only 16 are left), one 512-bit int32
-    /// accumulator per token and 16 columns: 16 of AVX-512's 32 registers.
-    const TILE: usize = 8;
+    /// A block's integer form beside the pairs in the thread's buffers: the active pairs, the
+    /// centre's product `c M` and each column's scale `b_c`.
+    pub(super) struct Block {
+        active: Vec<usize>,
+        fixed: Vec<f32>,
+        col_scale: Vec<f32>,
+    }
 
-    /// [`super::product`], with `ys` and `ms` to hold the block's integer pairs (grown as
-    /// needed, never cleared: every value read is written first).
+    /// The block's integer pairs into `ys` (`n x d / 2`) and `ms` (`active x d`), grown as
+    /// needed, never cleared (every value the tiles read is written first), 8 lanes at a
+    /// time: the reference's [`super::quantise`] bit for bit, for either tile kind (on a
+    /// Zen 4 512-bit vectors run as two halves anyway, and this is a few percent of the
+    /// product).
     ///
     /// # Safety
-    /// The CPU has AVX512-VNNI, -BW, -VL and -F; `d` is a multiple of 16; `y` and `out` hold
-    /// `n x d`, `m` `d x d`.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma")]
-    pub(super) unsafe fn product(
+    /// The CPU has AVX2 and FMA; `d` is a multiple of 16; `y` holds `n x d`, `m` `d x d`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn quantise(
         y: &[f32],
         d: usize,
         m: &[f32],
         ys: &mut Vec<u32>,
         ms: &mut Vec<u32>,
-        out: &mut [f32],
-    ) {
+    ) -> Block {
         let (active, centre, fixed) = split_pairs(y, d, m);
         let (half, n) = (d / 2, y.len() / d);
-        assert!(active.iter().all(|&p| p < half));
+        assert!(active.iter().all(|&p| p < half) && m.len() == d * d && d.is_multiple_of(8));
         let r = level(2 * active.len());
-        let rf = _mm512_set1_ps(r as f32);
-        let (lo_r, hi_r) = (_mm512_set1_epi32(-r), _mm512_set1_epi32(r));
-        let abs = |x: __m512| {
-            _mm512_castsi512_ps(_mm512_and_si512(
-                _mm512_castps_si512(x),
-                _mm512_set1_epi32(0x7FFF_FFFF),
-            ))
-        };
-        // x * inv rounded to nearest even (the MXCSR default), clamped to +-r, as 16 int16.
-        let levels = |x: __m512, inv: __m512| {
-            let i = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
-            _mm512_cvtepi32_epi16(_mm512_min_epi32(_mm512_max_epi32(i, lo_r), hi_r))
+        let rf = _mm256_set1_ps(r as f32);
+        let (lo_r, hi_r) = (_mm256_set1_epi32(-r), _mm256_set1_epi32(r));
+        let abs = |x: __m256| _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX)));
+        // x * inv rounded to nearest even (the MXCSR default), clamped to +-r, as 8 int32.
+        let levels = |x: __m256, inv: __m256| {
+            let i = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+            _mm256_min_epi32(_mm256_max_epi32(i, lo_r), hi_r)
         };
         // rf / x where x > 0, else 0 (as the scalar reference).
-        let inverse = |x: __m512| {
-            let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_setzero_ps());
-            _mm512_maskz_div_ps(pos, rf, x)
+        let inverse = |x: __m256| {
+            let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_setzero_ps());
+            _mm256_and_ps(_mm256_div_ps(rf, x), pos)
         };
         // SAFETY (every load and store below): offsets within the asserted shapes.
-        // A token's residuals `y_t - c` at columns `c..c + 16`.
-        let residual = |yt: &[f32], c: usize| unsafe {
-            _mm512_sub_ps(
-                _mm512_loadu_ps(yt.as_ptr().add(c)),
-                _mm512_loadu_ps(centre.as_ptr().add(c)),
-            )
-        };
+        let load = |v: &[f32], c: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add(c)) };
+        // A token's residuals `y_t - c` at columns `c..c + 8`.
+        let residual = |yt: &[f32], c: usize| _mm256_sub_ps(load(yt, c), load(&centre, c));
         let mut spread = vec![0.0f32; d];
         for yt in y.chunks_exact(d) {
-            for c in (0..d).step_by(16) {
-                let v = residual(yt, c);
-                unsafe {
-                    let s = _mm512_loadu_ps(spread.as_ptr().add(c));
-                    _mm512_storeu_ps(spread.as_mut_ptr().add(c), _mm512_max_ps(s, abs(v)));
-                }
+            for c in (0..d).step_by(8) {
+                let s = _mm256_max_ps(load(&spread, c), abs(residual(yt, c)));
+                unsafe { _mm256_storeu_ps(spread.as_mut_ptr().add(c), s) };
             }
         }
-        let mut step = vec![0.0f32; d];
-        let mut inv = vec![0.0f32; d];
-        for c in (0..d).step_by(16) {
+        let (mut step, mut inv) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for c in (0..d).step_by(8) {
+            let s = load(&spread, c);
             unsafe {
-                let s = _mm512_loadu_ps(spread.as_ptr().add(c));
-                _mm512_storeu_ps(step.as_mut_ptr().add(c), _mm512_div_ps(s, rf));
-                _mm512_storeu_ps(inv.as_mut_ptr().add(c), inverse(s));
+                _mm256_storeu_ps(step.as_mut_ptr().add(c), _mm256_div_ps(s, rf));
+                _mm256_storeu_ps(inv.as_mut_ptr().add(c), inverse(s));
             }
         }
         if ys.len() < n * half {
             ys.resize(n * half, 0);
         }
         for (yt, o) in y.chunks_exact(d).zip(ys.chunks_exact_mut(half)) {
-            for c in (0..d).step_by(16) {
-                let v = residual(yt, c);
-                unsafe {
-                    let q = levels(v, _mm512_loadu_ps(inv.as_ptr().add(c)));
-                    _mm256_storeu_si256(o.as_mut_ptr().add(c / 2).cast(), q);
-                }
+            for c in (0..d).step_by(8) {
+                let q = levels(residual(yt, c), load(&inv, c));
+                // 8 int32 within +-4095 as 8 int16 in order (the pack saturates nothing).
+                let q = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                unsafe { _mm_storeu_si128(o.as_mut_ptr().add(c / 2).cast(), q) };
             }
         }
         // The frame's active rows scaled by their steps, each column over its largest entry.
         let mut col_max = vec![0.0f32; d];
         for &p in &active {
             for j in [2 * p, 2 * p + 1] {
-                let a = _mm512_set1_ps(step[j]);
-                for c in (0..d).step_by(16) {
-                    unsafe {
-                        let v = _mm512_mul_ps(a, _mm512_loadu_ps(m.as_ptr().add(j * d + c)));
-                        let x = _mm512_loadu_ps(col_max.as_ptr().add(c));
-                        _mm512_storeu_ps(col_max.as_mut_ptr().add(c), _mm512_max_ps(x, abs(v)));
-                    }
+                let a = _mm256_set1_ps(step[j]);
+                for c in (0..d).step_by(8) {
+                    let v = _mm256_mul_ps(a, load(m, j * d + c));
+                    let x = _mm256_max_ps(load(&col_max, c), abs(v));
+                    unsafe { _mm256_storeu_ps(col_max.as_mut_ptr().add(c), x) };
                 }
             }
         }
-        let mut col_scale = vec![0.0f32; d];
-        let mut col_inv = vec![0.0f32; d];
-        for c in (0..d).step_by(16) {
+        let (mut col_scale, mut col_inv) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for c in (0..d).step_by(8) {
+            let x = load(&col_max, c);
             unsafe {
-                let x = _mm512_loadu_ps(col_max.as_ptr().add(c));
-                _mm512_storeu_ps(col_scale.as_mut_ptr().add(c), _mm512_div_ps(x, rf));
-                _mm512_storeu_ps(col_inv.as_mut_ptr().add(c), inverse(x));
+                _mm256_storeu_ps(col_scale.as_mut_ptr().add(c), _mm256_div_ps(x, rf));
+                _mm256_storeu_ps(col_inv.as_mut_ptr().add(c), inverse(x));
             }
         }
         if ms.len() < active.len() * d {
             ms.resize(active.len() * d, 0);
         }
+        let low = _mm256_set1_epi32(0xFFFF);
         for (&p, o) in active.iter().zip(ms.chunks_exact_mut(d)) {
             let (j0, j1) = (2 * p, 2 * p + 1);
-            let (a0, a1) = (_mm512_set1_ps(step[j0]), _mm512_set1_ps(step[j1]));
-            for c in (0..d).step_by(16) {
-                unsafe {
-                    let ci = _mm512_loadu_ps(col_inv.as_ptr().add(c));
-                    // (step * m) * col_inv, in the reference's order.
-                    let lo = levels(
-                        _mm512_mul_ps(a0, _mm512_loadu_ps(m.as_ptr().add(j0 * d + c))),
-                        ci,
-                    );
-                    let hi = levels(
-                        _mm512_mul_ps(a1, _mm512_loadu_ps(m.as_ptr().add(j1 * d + c))),
-                        ci,
-                    );
-                    // Per 128-bit lane: columns 0-3 | 8-11 interleaved, then 4-7 | 12-15.
-                    let (l, h) = (_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi));
-                    let dst = o.as_mut_ptr().add(c);
-                    _mm256_storeu_si256(dst.cast(), _mm256_permute2x128_si256::<0x20>(l, h));
-                    _mm256_storeu_si256(dst.add(8).cast(), _mm256_permute2x128_si256::<0x31>(l, h));
-                }
+            let (a0, a1) = (_mm256_set1_ps(step[j0]), _mm256_set1_ps(step[j1]));
+            for c in (0..d).step_by(8) {
+                let ci = load(&col_inv, c);
+                // (step * m) * col_inv, in the reference's order; the pair as lo | hi << 16.
+                let lo = levels(_mm256_mul_ps(a0, load(m, j0 * d + c)), ci);
+                let hi = levels(_mm256_mul_ps(a1, load(m, j1 * d + c)), ci);
+                let pair = _mm256_or_si256(_mm256_and_si256(lo, low), _mm256_slli_epi32(hi, 16));
+                unsafe { _mm256_storeu_si256(o.as_mut_ptr().add(c).cast(), pair) };
             }
         }
-        let mut t = 0;
-        while t < n {
-            let rows = (n - t).min(TILE);
-            let yt = &ys[t * half..][..rows * half];
-            let o = &mut out[t * d..][..rows * d];
-            // Tiles 32 columns wide where they fit: each token's broadcast feeds two products.
-            let mut col = 0;
-            while col < d {
-                let width = if d - col >= 32 { 32 } else { 16 };
-                let cols = Columns {
-                    fixed: &fixed[col..col + width],
-                    scale: &col_scale[col..col + width],
-                    ms: &ms[col..],
-                    d,
-                };
-                // SAFETY: the caller's features; `col + width <= d`, `rows` rows of `yt`, `o`.
-                unsafe {
-                    match (rows, width) {
-                        (TILE, 32) => tile::<TILE, 2>(&active, &cols, yt, half, &mut o[col..]),
-                        (TILE, _) => tile::<TILE, 1>(&active, &cols, yt, half, &mut o[col..]),
-                        _ => {
-                            for (i, o) in o.chunks_exact_mut(d).enumerate() {
-                                let (yi, o) = (&yt[i * half..], &mut o[col..]);
-                                match width {
-                                    32 => tile::<1, 2>(&active, &cols, yi, half, o),
-                                    _ => tile::<1, 1>(&active, &cols, yi, half, o),
-                                }
-                            }
-                        }
-                    }
-                }
-                col += width;
-            }
-            t += rows;
+        Block {
+            active,
+            fixed,
+            col_scale,
         }
     }
 
-    /// `16 W` output columns: their centre product, their scales and the scaled frame's pairs
-    /// from these columns on (`ms[k * d..][..16 W]` is active pair `k`'s).
+    /// `width` output columns from `col` on: their centre product, their scales and the
+    /// scaled frame's pairs from these columns on (`ms[k * d..][..width]` is active pair `k`'s).
     struct Columns<'a> {
         fixed: &'a [f32],
         scale: &'a [f32],
@@ -357,13 +349,91 @@ mod x86 {
         d: usize,
     }
 
+    /// Calls `tile(rows, columns, ys, out)` over a quantised block: tiles of `rows` tokens
+    /// (whole tiles, then the rest one token each) by `wide` columns where they fit, 16 where
+    /// not (`d` a multiple of 16).
+    fn each_tile(
+        block: &Block,
+        ys: &[u32],
+        ms: &[u32],
+        d: usize,
+        out: &mut [f32],
+        (rows, wide): (usize, usize),
+        mut tile: impl FnMut(usize, &Columns<'_>, &[u32], &mut [f32]),
+    ) {
+        let (half, n) = (d / 2, out.len() / d);
+        let mut t = 0;
+        while t < n {
+            let r = (n - t).min(rows);
+            let yt = &ys[t * half..][..r * half];
+            let o = &mut out[t * d..][..r * d];
+            let mut col = 0;
+            while col < d {
+                let width = if d - col >= wide { wide } else { 16 };
+                let cols = Columns {
+                    fixed: &block.fixed[col..col + width],
+                    scale: &block.col_scale[col..col + width],
+                    ms: &ms[col..],
+                    d,
+                };
+                if r == rows {
+                    tile(r, &cols, yt, &mut o[col..]);
+                } else {
+                    for (i, o) in o.chunks_exact_mut(d).enumerate() {
+                        tile(1, &cols, &yt[i * half..], &mut o[col..]);
+                    }
+                }
+                col += width;
+            }
+            t += r;
+        }
+    }
+
+    /// Tokens per AVX-512 tile: 8 tokens by 32 columns (16 where only 16 are left), one
+    /// 512-bit int32 accumulator per token and 16 columns: 16 of AVX-512's 32 registers.
+    const TILE_VNNI: usize = 8;
+
+    /// The product's sums with `vpdpwssd` (see [`each_tile`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX512-VNNI, -BW, -VL and -F; `ys`, `ms` and `block` are [`quantise`]'s
+    /// for this `d` and `out` (`n x d`).
+    pub(super) unsafe fn tiles_vnni(
+        block: &Block,
+        ys: &[u32],
+        ms: &[u32],
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let active = &block.active[..];
+        each_tile(
+            block,
+            ys,
+            ms,
+            d,
+            out,
+            (TILE_VNNI, 32),
+            |rows, cols, ys, o| {
+                // SAFETY: the caller's features; the shapes are `each_tile`'s.
+                unsafe {
+                    match (rows, cols.fixed.len()) {
+                        (TILE_VNNI, 32) => tile_vnni::<TILE_VNNI, 2>(active, cols, ys, d / 2, o),
+                        (TILE_VNNI, _) => tile_vnni::<TILE_VNNI, 1>(active, cols, ys, d / 2, o),
+                        (_, 32) => tile_vnni::<1, 2>(active, cols, ys, d / 2, o),
+                        _ => tile_vnni::<1, 1>(active, cols, ys, d / 2, o),
+                    }
+                }
+            },
+        );
+    }
+
     /// `out[r * d..][..16 W] = fixed + scale * sum over active pairs k of ys[r, p_k] . ms[k]`
     /// for `R` tokens (`ys` holds `R` rows of `half` pairs).
     ///
     /// # Safety
-    /// As [`product`]; every active pair is below `half`; the lengths are asserted.
+    /// As [`tiles_vnni`]; every active pair is below `half`; the lengths are asserted.
     #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma")]
-    unsafe fn tile<const R: usize, const W: usize>(
+    unsafe fn tile_vnni<const R: usize, const W: usize>(
         active: &[usize],
         cols: &Columns<'_>,
         ys: &[u32],
@@ -397,6 +467,86 @@ mod x86 {
             for (r, a) in acc.iter().enumerate() {
                 let v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(a[w]), f);
                 unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * d + 16 * w), v) };
+            }
+        }
+    }
+
+    /// Tokens per AVX2 tile: 6 tokens by 16 columns, two 256-bit int32 accumulators per token
+    /// beside the frame's two vectors, the broadcast and a product, in AVX2's 16 registers
+    /// (measured on a Zen 3: 3 and 4 tokens, and 2 or 3 by 32 columns, ran slower).
+    const TILE_AVX2: usize = 6;
+
+    /// The product's sums with `vpmaddwd` and `vpaddd` (see [`each_tile`]).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; as [`tiles_vnni`] otherwise.
+    pub(super) unsafe fn tiles_avx2(
+        block: &Block,
+        ys: &[u32],
+        ms: &[u32],
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let active = &block.active[..];
+        each_tile(
+            block,
+            ys,
+            ms,
+            d,
+            out,
+            (TILE_AVX2, 16),
+            |rows, cols, ys, o| {
+                // SAFETY: the caller's features; the shapes are `each_tile`'s.
+                unsafe {
+                    match rows {
+                        TILE_AVX2 => tile_avx2::<TILE_AVX2, 2>(active, cols, ys, d / 2, o),
+                        _ => tile_avx2::<1, 2>(active, cols, ys, d / 2, o),
+                    }
+                }
+            },
+        );
+    }
+
+    /// [`tile_vnni`]'s sums for `8 W` columns with AVX2: `vpmaddwd` makes each lane's pair
+    /// sum exactly as `vpdpwssd` does, `vpaddd` adds it (int32, no saturation either way).
+    ///
+    /// # Safety
+    /// As [`tiles_avx2`]; every active pair is below `half`; the lengths are asserted.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2<const R: usize, const W: usize>(
+        active: &[usize],
+        cols: &Columns<'_>,
+        ys: &[u32],
+        half: usize,
+        out: &mut [f32],
+    ) {
+        let (d, width) = (cols.d, 8 * W);
+        assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + width);
+        assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + width);
+        assert!(cols.fixed.len() == width && cols.scale.len() == width);
+        let mut acc = [[_mm256_setzero_si256(); W]; R];
+        for (k, &p) in active.iter().enumerate() {
+            // SAFETY (every load and store): the bounds asserted above.
+            let mrow: [__m256i; W] = std::array::from_fn(|w| unsafe {
+                _mm256_loadu_si256(cols.ms.as_ptr().add(k * d + 8 * w).cast())
+            });
+            for (r, a) in acc.iter_mut().enumerate() {
+                let b = _mm256_set1_epi32(unsafe { *ys.as_ptr().add(r * half + p) } as i32);
+                for (a, &m) in a.iter_mut().zip(&mrow) {
+                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(m, b));
+                }
+            }
+        }
+        for w in 0..W {
+            let (f, s) = unsafe {
+                (
+                    _mm256_loadu_ps(cols.fixed.as_ptr().add(8 * w)),
+                    _mm256_loadu_ps(cols.scale.as_ptr().add(8 * w)),
+                )
+            };
+            for (r, a) in acc.iter().enumerate() {
+                let v = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(a[w]), f);
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * d + 8 * w), v) };
             }
         }
     }
