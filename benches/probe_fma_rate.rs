@@ -8,6 +8,8 @@
 //! another machine's:
 //!
 //! - "peak": 12 independent chains of 8-lane FMAs, no loads (the core's FMA issue rate);
+//! - "int16 peak": 8 chains of `vpmaddwd` + `vpaddd` (16 int16 products an instruction, as
+//!   the int16 product's AVX2 tiles make them, `coded_attention/int16.rs`), no loads;
 //! - "tile 6x16": the product's AVX tile as the crate runs it (6 tokens by 16 columns, 12
 //!   accumulators, the frame's rows read in place, the coordinates broadcast from the block)
 //!   over a SmolLM2-like joint key block: 256 tokens of 192 coordinates, 148 of them varying
@@ -28,41 +30,82 @@ const VARYING: usize = 148;
 const TOKENS: usize = 256;
 const STEP_MACS: f64 = 30.0 * 3840.0 * VARYING as f64 * D as f64;
 
-/// Lanes of multiply-add per second with no loads: 12 independent chains of
-/// `vfmadd231ps` on ymm registers, written as assembly so the compiler keeps every one.
-fn peak() -> f64 {
+/// Multiply-adds per second of `body` (`macs` a call), the best of 3 runs of 50M calls.
+fn rate(macs: usize, body: impl Fn()) -> f64 {
     const ITERS: usize = 50_000_000;
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
         for _ in 0..ITERS {
-            #[allow(unsafe_code)]
-            // SAFETY: register-only arithmetic on ymm0-ymm11 (declared clobbered) from
-            // ymm14-ymm15; compiled with AVX2 + FMA (see the header).
-            unsafe {
-                std::arch::asm!(
-                    "vfmadd231ps ymm0, ymm14, ymm15",
-                    "vfmadd231ps ymm1, ymm14, ymm15",
-                    "vfmadd231ps ymm2, ymm14, ymm15",
-                    "vfmadd231ps ymm3, ymm14, ymm15",
-                    "vfmadd231ps ymm4, ymm14, ymm15",
-                    "vfmadd231ps ymm5, ymm14, ymm15",
-                    "vfmadd231ps ymm6, ymm14, ymm15",
-                    "vfmadd231ps ymm7, ymm14, ymm15",
-                    "vfmadd231ps ymm8, ymm14, ymm15",
-                    "vfmadd231ps ymm9, ymm14, ymm15",
-                    "vfmadd231ps ymm10, ymm14, ymm15",
-                    "vfmadd231ps ymm11, ymm14, ymm15",
-                    out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
-                    out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
-                    out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-                    options(nomem, nostack),
-                )
-            };
+            body();
         }
         best = best.min(t.elapsed().as_secs_f64());
     }
-    (ITERS * 12 * 8) as f64 / best
+    (ITERS * macs) as f64 / best
+}
+
+/// Lanes of multiply-add per second with no loads: 12 independent chains of
+/// `vfmadd231ps` on ymm registers, written as assembly so the compiler keeps every one.
+fn peak() -> f64 {
+    rate(12 * 8, || {
+        #[allow(unsafe_code)]
+        // SAFETY: register-only arithmetic on ymm0-ymm11 (declared clobbered) from
+        // ymm14-ymm15; compiled with AVX2 + FMA (see the header).
+        unsafe {
+            std::arch::asm!(
+                "vfmadd231ps ymm0, ymm14, ymm15",
+                "vfmadd231ps ymm1, ymm14, ymm15",
+                "vfmadd231ps ymm2, ymm14, ymm15",
+                "vfmadd231ps ymm3, ymm14, ymm15",
+                "vfmadd231ps ymm4, ymm14, ymm15",
+                "vfmadd231ps ymm5, ymm14, ymm15",
+                "vfmadd231ps ymm6, ymm14, ymm15",
+                "vfmadd231ps ymm7, ymm14, ymm15",
+                "vfmadd231ps ymm8, ymm14, ymm15",
+                "vfmadd231ps ymm9, ymm14, ymm15",
+                "vfmadd231ps ymm10, ymm14, ymm15",
+                "vfmadd231ps ymm11, ymm14, ymm15",
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                options(nomem, nostack),
+            )
+        };
+    })
+}
+
+/// Multiply-adds per second of 16-bit pairs into int32 lanes, no loads: 8 independent
+/// chains of `vpmaddwd` (16 products) and the `vpaddd` that accumulates it.
+fn int16_peak() -> f64 {
+    rate(8 * 16, || {
+        #[allow(unsafe_code)]
+        // SAFETY: register-only arithmetic on ymm0-ymm11 (declared clobbered) from
+        // ymm14-ymm15; compiled with AVX2 (see the header).
+        unsafe {
+            std::arch::asm!(
+                "vpmaddwd ymm8, ymm14, ymm15",
+                "vpaddd ymm0, ymm0, ymm8",
+                "vpmaddwd ymm9, ymm14, ymm15",
+                "vpaddd ymm1, ymm1, ymm9",
+                "vpmaddwd ymm10, ymm14, ymm15",
+                "vpaddd ymm2, ymm2, ymm10",
+                "vpmaddwd ymm11, ymm14, ymm15",
+                "vpaddd ymm3, ymm3, ymm11",
+                "vpmaddwd ymm8, ymm14, ymm15",
+                "vpaddd ymm4, ymm4, ymm8",
+                "vpmaddwd ymm9, ymm14, ymm15",
+                "vpaddd ymm5, ymm5, ymm9",
+                "vpmaddwd ymm10, ymm14, ymm15",
+                "vpaddd ymm6, ymm6, ymm10",
+                "vpmaddwd ymm11, ymm14, ymm15",
+                "vpaddd ymm7, ymm7, ymm11",
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+                out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+                out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                options(nomem, nostack),
+            )
+        };
+    })
 }
 
 /// The crate's 6 x 16 tile over one block: `out[t] = sum_j y[t, j] m[j]` over the varying `j`
@@ -131,6 +174,12 @@ fn main() {
     println!(
         "peak (12 FMA chains, no loads): {:6.2} G multiply-adds/s",
         p / 1e9
+    );
+    let i16 = int16_peak();
+    println!(
+        "int16 peak (vpmaddwd + vpaddd):  {:6.2} G multiply-adds/s ({:.2}x the FMA peak)",
+        i16 / 1e9,
+        i16 / p
     );
     println!(
         "tile 6x16 (joint key block):     {:6.2} G multiply-adds/s ({:.0}% of peak)",

@@ -55,8 +55,8 @@ pub enum Precision {
     Bf16,
     /// The coordinates less their block mean, and the frame, as 16-bit integers with scales
     /// per block (11-13 bits of each), exact int32 sums, the mean's product in float32: twice
-    /// the float32 rate where the CPU has AVX512-VNNI, the same bits with AVX2 (1.6x the rate
-    /// on a Zen 3), where the head dim is a multiple of 16; float32 everywhere else
+    /// the float32 rate where the CPU has AVX512-VNNI, the same bits with AVX2 (about 1.55x
+    /// the float32 peak on a Zen 3), where the head dim is a multiple of 16; float32 elsewhere
     /// (`int16.rs`, [`int16_products`]).
     I16,
 }

@@ -1,9 +1,9 @@
 //! The key kernel's frame product `y_t M` in 16-bit integers with exact int32 sums, on CPUs
 //! with AVX512-VNNI (`vpdpwssd`: two 16-bit products per int32 lane, twice the float32 FMA
 //! rate of the same CPU, the rate of the bfloat16 product) or AVX2 (`vpmaddwd` and `vpaddd`:
-//! the same int32 sums, so the same bits; 1.6x the float32 FMA rate on a Zen 3, where a 4k
-//! layer's keys across heads took about 0.7x the float32 path's time: `docs/speed.md`, 44th
-//! session; on a Zen 1 no faster, 27th session).
+//! the same int32 sums, so the same bits; about 1.55x the float32 FMA peak on a Zen 3, where
+//! a 4k layer's key logits across heads took 0.7-0.87x the float32 path's time and an 8k
+//! decode step 0.90x: `docs/speed.md`, 44th session; on a Zen 1 no faster, 27th session).
 //!
 //! bfloat16 keeps 8 significant bits of each residual and frame entry (on SmolLM2 that moved
 //! the teacher-forced KL by less than its noise, -1% +- 1.4% over 6 passages at 4k,
@@ -45,7 +45,8 @@ pub(super) enum Isa {
     /// lanes an instruction.
     Vnni512,
     /// AVX2's `vpmaddwd` (the same pair sums, 8 lanes) and a `vpaddd` beside it: on a Zen 3
-    /// 1.6x the float32 FMA rate (`benches/probe_fma_rate.rs`), half the frame bytes read.
+    /// about 1.55x the float32 FMA peak (`benches/probe_fma_rate.rs`), half the frame bytes
+    /// read.
     Avx2,
 }
 
@@ -427,11 +428,10 @@ mod x86 {
         );
     }
 
-    /// `out[r * d..][..16 W] = fixed + scale * sum over active pairs k of ys[r, p_k] . ms[k]`
-    /// for `R` tokens (`ys` holds `R` rows of `half` pairs).
+    /// `tile::<Vnni512, R, W>`: `16 W` columns.
     ///
     /// # Safety
-    /// As [`tiles_vnni`]; every active pair is below `half`; the lengths are asserted.
+    /// As [`tiles_vnni`]; as [`tile`].
     #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma")]
     unsafe fn tile_vnni<const R: usize, const W: usize>(
         active: &[usize],
@@ -440,35 +440,8 @@ mod x86 {
         half: usize,
         out: &mut [f32],
     ) {
-        let (d, width) = (cols.d, 16 * W);
-        assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + width);
-        assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + width);
-        assert!(cols.fixed.len() == width && cols.scale.len() == width);
-        let mut acc = [[_mm512_setzero_si512(); W]; R];
-        for (k, &p) in active.iter().enumerate() {
-            // SAFETY (every load and store): the bounds asserted above.
-            let mrow: [__m512i; W] = std::array::from_fn(|w| unsafe {
-                _mm512_loadu_si512(cols.ms.as_ptr().add(k * d + 16 * w).cast())
-            });
-            for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm512_set1_epi32(unsafe { *ys.as_ptr().add(r * half + p) } as i32);
-                for (a, &m) in a.iter_mut().zip(&mrow) {
-                    *a = _mm512_dpwssd_epi32(*a, m, b);
-                }
-            }
-        }
-        for w in 0..W {
-            let (f, s) = unsafe {
-                (
-                    _mm512_loadu_ps(cols.fixed.as_ptr().add(16 * w)),
-                    _mm512_loadu_ps(cols.scale.as_ptr().add(16 * w)),
-                )
-            };
-            for (r, a) in acc.iter().enumerate() {
-                let v = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(a[w]), f);
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * d + 16 * w), v) };
-            }
-        }
+        // SAFETY: the caller's; this function's features inline `Vnni512`'s intrinsics.
+        unsafe { tile::<Vnni512, R, W>(active, cols, ys, half, out) }
     }
 
     /// Tokens per AVX2 tile: 6 tokens by 16 columns, two 256-bit int32 accumulators per token
@@ -507,11 +480,10 @@ mod x86 {
         );
     }
 
-    /// [`tile_vnni`]'s sums for `8 W` columns with AVX2: `vpmaddwd` makes each lane's pair
-    /// sum exactly as `vpdpwssd` does, `vpaddd` adds it (int32, no saturation either way).
+    /// `tile::<Avx2, R, W>`: `8 W` columns.
     ///
     /// # Safety
-    /// As [`tiles_avx2`]; every active pair is below `half`; the lengths are asserted.
+    /// As [`tiles_avx2`]; as [`tile`].
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile_avx2<const R: usize, const W: usize>(
         active: &[usize],
@@ -520,33 +492,131 @@ mod x86 {
         half: usize,
         out: &mut [f32],
     ) {
-        let (d, width) = (cols.d, 8 * W);
+        // SAFETY: the caller's; this function's features inline `Avx2`'s intrinsics.
+        unsafe { tile::<Avx2, R, W>(active, cols, ys, half, out) }
+    }
+
+    /// The vector operations of a tile, for one instruction set: `LANES` int32 sums a
+    /// vector. Each is inlined into a `#[target_feature]` tile function of that set.
+    trait Lanes {
+        type I: Copy;
+        const LANES: usize;
+        /// A zero accumulator.
+        unsafe fn zero() -> Self::I;
+        /// `LANES` pairs from `p`.
+        unsafe fn load(p: *const u32) -> Self::I;
+        /// One pair in every lane.
+        unsafe fn splat(x: u32) -> Self::I;
+        /// `acc` plus each lane's pair sum `m.lo * b.lo + m.hi * b.hi` (int32, wrapping).
+        unsafe fn dot(acc: Self::I, m: Self::I, b: Self::I) -> Self::I;
+        /// `out[..LANES] = scale * acc + fixed` (one rounding: a fused multiply-add).
+        unsafe fn finish(acc: Self::I, scale: *const f32, fixed: *const f32, out: *mut f32);
+    }
+
+    /// AVX512-VNNI: `vpdpwssd` makes the pair sum and adds it in one instruction.
+    struct Vnni512;
+
+    impl Lanes for Vnni512 {
+        type I = __m512i;
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m512i {
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m512i {
+            _mm512_set1_epi32(x as i32)
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, m: __m512i, b: __m512i) -> __m512i {
+            _mm512_dpwssd_epi32(acc, m, b)
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m512i, scale: *const f32, fixed: *const f32, out: *mut f32) {
+            unsafe {
+                let (s, f) = (_mm512_loadu_ps(scale), _mm512_loadu_ps(fixed));
+                _mm512_storeu_ps(out, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc), f));
+            }
+        }
+    }
+
+    /// AVX2: `vpmaddwd` makes the pair sums exactly as `vpdpwssd` does, `vpaddd` adds them.
+    struct Avx2;
+
+    impl Lanes for Avx2 {
+        type I = __m256i;
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> __m256i {
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: u32) -> __m256i {
+            _mm256_set1_epi32(x as i32)
+        }
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, m: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(m, b))
+        }
+        #[inline(always)]
+        unsafe fn finish(acc: __m256i, scale: *const f32, fixed: *const f32, out: *mut f32) {
+            unsafe {
+                let (s, f) = (_mm256_loadu_ps(scale), _mm256_loadu_ps(fixed));
+                _mm256_storeu_ps(out, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc), f));
+            }
+        }
+    }
+
+    /// `out[r * d..][..LANES W] = fixed + scale * sum over active pairs k of ys[r, p_k] . ms[k]`
+    /// for `R` tokens (`ys` holds `R` rows of `half` pairs): `R W` accumulators, each frame
+    /// vector loaded once for the `R` tokens, each token's pair broadcast once for the `W`
+    /// vectors.
+    ///
+    /// # Safety
+    /// Called only from a `#[target_feature]` function of `L`'s instruction set (the tiles
+    /// above); every active pair is below `half`; the lengths are asserted.
+    #[inline(always)]
+    unsafe fn tile<L: Lanes, const R: usize, const W: usize>(
+        active: &[usize],
+        cols: &Columns<'_>,
+        ys: &[u32],
+        half: usize,
+        out: &mut [f32],
+    ) {
+        let (d, width) = (cols.d, L::LANES * W);
         assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + width);
         assert!(active.is_empty() || cols.ms.len() >= (active.len() - 1) * d + width);
         assert!(cols.fixed.len() == width && cols.scale.len() == width);
-        let mut acc = [[_mm256_setzero_si256(); W]; R];
+        // SAFETY (every load and store): the bounds asserted above; the caller's features.
+        // (No closures here: one would be compiled without those features.)
+        let zero = unsafe { L::zero() };
+        let (mut acc, mut mrow) = ([[zero; W]; R], [zero; W]);
         for (k, &p) in active.iter().enumerate() {
-            // SAFETY (every load and store): the bounds asserted above.
-            let mrow: [__m256i; W] = std::array::from_fn(|w| unsafe {
-                _mm256_loadu_si256(cols.ms.as_ptr().add(k * d + 8 * w).cast())
-            });
+            for (w, m) in mrow.iter_mut().enumerate() {
+                *m = unsafe { L::load(cols.ms.as_ptr().add(k * d + L::LANES * w)) };
+            }
             for (r, a) in acc.iter_mut().enumerate() {
-                let b = _mm256_set1_epi32(unsafe { *ys.as_ptr().add(r * half + p) } as i32);
+                let b = unsafe { L::splat(*ys.as_ptr().add(r * half + p)) };
                 for (a, &m) in a.iter_mut().zip(&mrow) {
-                    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(m, b));
+                    *a = unsafe { L::dot(*a, m, b) };
                 }
             }
         }
         for w in 0..W {
-            let (f, s) = unsafe {
-                (
-                    _mm256_loadu_ps(cols.fixed.as_ptr().add(8 * w)),
-                    _mm256_loadu_ps(cols.scale.as_ptr().add(8 * w)),
-                )
-            };
+            let at = L::LANES * w;
             for (r, a) in acc.iter().enumerate() {
-                let v = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(a[w]), f);
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * d + 8 * w), v) };
+                unsafe {
+                    let (s, f) = (cols.scale.as_ptr().add(at), cols.fixed.as_ptr().add(at));
+                    L::finish(a[w], s, f, out.as_mut_ptr().add(r * d + at));
+                }
             }
         }
     }
