@@ -253,7 +253,8 @@ pub fn bf16_products(head_dim: usize) -> bool {
 }
 
 /// Whether `precision="int16"` multiplies in 16-bit integers on this CPU for coded streams of
-/// `head_dim` coordinates (AVX512-VNNI or AVX2, and a multiple of 16); where not, it runs float32.
+/// `head_dim` coordinates (AVX512-VNNI or AVX2, and a multiple of 16); where not, it runs
+/// float32.
 #[pyfunction]
 pub fn int16_products(head_dim: usize) -> bool {
     core::int16_products(head_dim)
