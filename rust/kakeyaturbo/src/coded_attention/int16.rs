@@ -213,10 +213,7 @@ pub(super) fn product_with(isa: Isa, y: &[f32], d: usize, m: &[f32], out: &mut [
         // `Isa::Vnni512`; the shapes are asserted above.
         unsafe {
             let block = x86::quantise(y, d, m, ys, ms);
-            match isa {
-                Isa::Vnni512 => x86::tiles_vnni(&block, ys, ms, d, out),
-                Isa::Avx2 => x86::tiles_avx2(&block, ys, ms, d, out),
-            }
+            x86::tiles(isa, &block, ys, ms, d, out);
         }
     });
 }
@@ -224,7 +221,7 @@ pub(super) fn product_with(isa: Isa, y: &[f32], d: usize, m: &[f32], out: &mut [
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86 {
-    use super::{level, split_pairs};
+    use super::{level, split_pairs, Isa};
     use std::arch::x86_64::*;
 
     /// A block's integer form beside the pairs in the thread's buffers: the active pairs, the
@@ -350,19 +347,55 @@ mod x86 {
         d: usize,
     }
 
-    /// Calls `tile(rows, columns, ys, out)` over a quantised block: tiles of `rows` tokens
-    /// (whole tiles, then the rest one token each) by `wide` columns where they fit, 16 where
-    /// not (`d` a multiple of 16).
-    fn each_tile(
+    /// Tokens per AVX-512 tile: 8 tokens by 32 columns (16 where only 16 are left), one
+    /// 512-bit int32 accumulator per token and 16 columns: 16 of AVX-512's 32 registers.
+    const TILE_VNNI: usize = 8;
+
+    /// Tokens per AVX2 tile: 6 tokens by 16 columns, two 256-bit int32 accumulators per token
+    /// beside the frame's two vectors, the broadcast and a product, in AVX2's 16 registers
+    /// (measured on a Zen 3: 3 and 4 tokens, and 2 or 3 by 32 columns, ran slower).
+    const TILE_AVX2: usize = 6;
+
+    /// The product's sums from a quantised block with `isa`'s tiles: whole tiles of its
+    /// tokens, then the rest one token each, by its widest columns where they fit and 16
+    /// where not (`d` a multiple of 16).
+    ///
+    /// # Safety
+    /// The CPU has `isa`'s instructions ([`super::runs`]); `ys`, `ms` and `block` are
+    /// [`quantise`]'s for this `d` and `out` (`n x d`).
+    pub(super) unsafe fn tiles(
+        isa: Isa,
         block: &Block,
         ys: &[u32],
         ms: &[u32],
         d: usize,
         out: &mut [f32],
-        (rows, wide): (usize, usize),
-        mut tile: impl FnMut(usize, &Columns<'_>, &[u32], &mut [f32]),
     ) {
-        let (half, n) = (d / 2, out.len() / d);
+        let (rows, wide) = match isa {
+            Isa::Vnni512 => (TILE_VNNI, 32),
+            Isa::Avx2 => (TILE_AVX2, 16),
+        };
+        let (active, half, n) = (&block.active[..], d / 2, out.len() / d);
+        // One tile of `r` tokens (`rows` or 1) and `cols`' width; `ys` and `o` from its first.
+        let tile = |r: usize, cols: &Columns<'_>, ys: &[u32], o: &mut [f32]| {
+            // SAFETY: the caller's features; the shapes are this loop's.
+            unsafe {
+                match (isa, r, cols.fixed.len()) {
+                    (Isa::Vnni512, TILE_VNNI, 32) => {
+                        tile_vnni::<TILE_VNNI, 2>(active, cols, ys, half, o)
+                    }
+                    (Isa::Vnni512, TILE_VNNI, _) => {
+                        tile_vnni::<TILE_VNNI, 1>(active, cols, ys, half, o)
+                    }
+                    (Isa::Vnni512, _, 32) => tile_vnni::<1, 2>(active, cols, ys, half, o),
+                    (Isa::Vnni512, ..) => tile_vnni::<1, 1>(active, cols, ys, half, o),
+                    (Isa::Avx2, TILE_AVX2, _) => {
+                        tile_avx2::<TILE_AVX2, 2>(active, cols, ys, half, o)
+                    }
+                    (Isa::Avx2, ..) => tile_avx2::<1, 2>(active, cols, ys, half, o),
+                }
+            }
+        };
         let mut t = 0;
         while t < n {
             let r = (n - t).min(rows);
@@ -390,48 +423,10 @@ mod x86 {
         }
     }
 
-    /// Tokens per AVX-512 tile: 8 tokens by 32 columns (16 where only 16 are left), one
-    /// 512-bit int32 accumulator per token and 16 columns: 16 of AVX-512's 32 registers.
-    const TILE_VNNI: usize = 8;
-
-    /// The product's sums with `vpdpwssd` (see [`each_tile`]).
-    ///
-    /// # Safety
-    /// The CPU has AVX512-VNNI, -BW, -VL and -F; `ys`, `ms` and `block` are [`quantise`]'s
-    /// for this `d` and `out` (`n x d`).
-    pub(super) unsafe fn tiles_vnni(
-        block: &Block,
-        ys: &[u32],
-        ms: &[u32],
-        d: usize,
-        out: &mut [f32],
-    ) {
-        let active = &block.active[..];
-        each_tile(
-            block,
-            ys,
-            ms,
-            d,
-            out,
-            (TILE_VNNI, 32),
-            |rows, cols, ys, o| {
-                // SAFETY: the caller's features; the shapes are `each_tile`'s.
-                unsafe {
-                    match (rows, cols.fixed.len()) {
-                        (TILE_VNNI, 32) => tile_vnni::<TILE_VNNI, 2>(active, cols, ys, d / 2, o),
-                        (TILE_VNNI, _) => tile_vnni::<TILE_VNNI, 1>(active, cols, ys, d / 2, o),
-                        (_, 32) => tile_vnni::<1, 2>(active, cols, ys, d / 2, o),
-                        _ => tile_vnni::<1, 1>(active, cols, ys, d / 2, o),
-                    }
-                }
-            },
-        );
-    }
-
     /// `tile::<Vnni512, R, W>`: `16 W` columns.
     ///
     /// # Safety
-    /// As [`tiles_vnni`]; as [`tile`].
+    /// As [`tiles`] with `Isa::Vnni512`; as [`tile`].
     #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma")]
     unsafe fn tile_vnni<const R: usize, const W: usize>(
         active: &[usize],
@@ -444,46 +439,10 @@ mod x86 {
         unsafe { tile::<Vnni512, R, W>(active, cols, ys, half, out) }
     }
 
-    /// Tokens per AVX2 tile: 6 tokens by 16 columns, two 256-bit int32 accumulators per token
-    /// beside the frame's two vectors, the broadcast and a product, in AVX2's 16 registers
-    /// (measured on a Zen 3: 3 and 4 tokens, and 2 or 3 by 32 columns, ran slower).
-    const TILE_AVX2: usize = 6;
-
-    /// The product's sums with `vpmaddwd` and `vpaddd` (see [`each_tile`]).
-    ///
-    /// # Safety
-    /// The CPU has AVX2 and FMA; as [`tiles_vnni`] otherwise.
-    pub(super) unsafe fn tiles_avx2(
-        block: &Block,
-        ys: &[u32],
-        ms: &[u32],
-        d: usize,
-        out: &mut [f32],
-    ) {
-        let active = &block.active[..];
-        each_tile(
-            block,
-            ys,
-            ms,
-            d,
-            out,
-            (TILE_AVX2, 16),
-            |rows, cols, ys, o| {
-                // SAFETY: the caller's features; the shapes are `each_tile`'s.
-                unsafe {
-                    match rows {
-                        TILE_AVX2 => tile_avx2::<TILE_AVX2, 2>(active, cols, ys, d / 2, o),
-                        _ => tile_avx2::<1, 2>(active, cols, ys, d / 2, o),
-                    }
-                }
-            },
-        );
-    }
-
     /// `tile::<Avx2, R, W>`: `8 W` columns.
     ///
     /// # Safety
-    /// As [`tiles_avx2`]; as [`tile`].
+    /// As [`tiles`] with `Isa::Avx2`; as [`tile`].
     #[target_feature(enable = "avx2,fma")]
     unsafe fn tile_avx2<const R: usize, const W: usize>(
         active: &[usize],
