@@ -272,9 +272,10 @@ def coded_key_logits(
     ``i`` by angle ``i % pairs`` (keys coded across heads: every head's pairs side by side,
     turned alike, from one head's table); ``norms`` ``[streams, tokens]`` (None: no scale).
     float32, C-contiguous. ``precision``: the frame product's arithmetic, the costliest part:
-    ``"float32"``; ``"int16"`` (``y_t`` less its block mean, and the frame, as 16-bit integers
-    with scales per block, 11-13 bits of each, exact int32 sums; the mean's product in
-    float32) where :func:`int16_products` says the CPU has AVX512-VNNI or AVX2 (the same bits
+    ``"float32"``; ``"int16"`` (``y_t`` less a centre per block, and the frame, as 16-bit
+    integers with scales per block, 11-13 bits of each, exact int32 sums; the centre's product
+    in float32; blocks without a basis or key norms decode to those integers straight from
+    their codes, centred on each coordinate's decodable range) where :func:`int16_products` says the CPU has AVX512-VNNI or AVX2 (the same bits
     on either); or ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where
     :func:`bf16_products` says it multiplies bfloat16 natively. Both multiply faster than
     float32 there (twice its rate with AVX-512) and run the float32 product elsewhere."""
@@ -410,6 +411,7 @@ def prepare_keys(
     precision: str = "float32",
     background: bool = True,
     rotation_repeats: int = 1,
+    token_norms: bool = False,
 ) -> Optional[_core.PreparedKeys]:
     """The query-independent part of :func:`coded_attend`'s key logits (decoding the codes, the
     frame product, RoPE) for ``key_encs`` with ``key_frames``, ``rotation``
@@ -419,7 +421,10 @@ def prepare_keys(
     worker would be idle for it (the codec on torch's threads, or a pool of one thread);
     attention computes whatever is not made yet itself.
     Without it every block is made before it returns. Do not write to ``key_frames`` or
-    ``rotation`` while the result lives: they are read in place."""
+    ``rotation`` while the result lives: they are read in place. ``token_norms``: whether
+    :func:`coded_attend` will take ``key_norms`` for these blocks, which need each token's
+    decoded length (without them the int16 product decodes its integer levels straight from
+    the codes; with norms given anyway, attention makes those blocks again: the same bits)."""
     return _core.prepare_keys(
         _raws(key_encs),
         streams,
@@ -428,4 +433,5 @@ def prepare_keys(
         precision,
         background,
         rotation_repeats=rotation_repeats,
+        token_norms=token_norms,
     )

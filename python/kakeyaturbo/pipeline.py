@@ -679,6 +679,7 @@ class Pipeline:
             precision=precision,
             background=background,
             rotation_repeats=rotation_repeats,
+            token_norms=kr.norms is not None,
         )
 
     def run_of(self, blocks: list[CodedBlock] | BlockRun, stream: str) -> BlockRun:

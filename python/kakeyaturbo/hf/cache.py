@@ -128,7 +128,7 @@ class KakeyaCache(Cache):
             ``hot_dtype``. False: values in ``hot_dtype`` too.
         attention_precision: arithmetic of the frame product in the codec's attention over
             coded keys on the CPU, the costliest part of a decode step. ``"int16"``
-            (default): the coordinates (less their block mean) and the frame as 16-bit
+            (default): the coordinates (less a centre per block) and the frame as 16-bit
             integers with scales per block (11-13 bits of each), exact int32 sums, where the
             CPU has AVX512-VNNI (twice the float32 rate) or AVX2 (the same bits; faster than
             float32 on Zen 3, not on Zen 1), float32 elsewhere. ``"float32"``:

@@ -86,6 +86,7 @@ struct Inputs {
     frames: Option<(Held, usize)>,
     rotation: Option<HeldRotation>,
     precision: Precision,
+    token_norms: bool,
 }
 
 impl Inputs {
@@ -104,7 +105,7 @@ impl Inputs {
             rotation: rotation.as_ref(),
             precision: self.precision,
         };
-        keys.prepare(&coded, &inputs)
+        keys.prepare(&coded, &inputs, self.token_norms)
     }
 }
 
@@ -201,9 +202,14 @@ impl PyPreparedKeys {
 /// it, every block is made before it returns. The caller must not write to `key_frames` or
 /// `rotation` while the returned keys live (their memory is read in place); `coded_attend`
 /// takes the same rotation array and frames of equal values.
+///
+/// `token_norms`: whether `coded_attend` will scale these keys by token norms (`key_norms`),
+/// which need each token's decoded length. Without them an int16 product decodes its levels
+/// straight from the codes and skips the values; given norms, `coded_attend` then makes such
+/// blocks again itself (the same bits, the time spent twice).
 #[pyfunction]
 #[pyo3(signature = (key_encs, streams, key_frames=None, rotation=None, precision="float32",
-    background=true, rotation_repeats=1))]
+    background=true, rotation_repeats=1, token_norms=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_keys<'py>(
     py: Python<'py>,
@@ -214,6 +220,7 @@ pub fn prepare_keys<'py>(
     precision: &str,
     background: bool,
     rotation_repeats: usize,
+    token_norms: bool,
 ) -> PyResult<Option<PyPreparedKeys>> {
     let precision = precision_arg(precision)?;
     let frames = match (
@@ -238,6 +245,7 @@ pub fn prepare_keys<'py>(
         frames,
         rotation,
         precision,
+        token_norms,
     });
     // Checked here, so that bad input raises in the caller rather than on a worker.
     let layers = inputs.layers();

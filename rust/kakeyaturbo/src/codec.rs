@@ -439,6 +439,38 @@ pub fn decode_layer_into(
     decode_parsed(&read_layer(enc.as_bytes())?, external, out)
 }
 
+/// For a layer of one water-filled block in its own coordinates (no basis: `pca_method =
+/// none`; `Ok(None)` for any other form, `out` untouched): the layer decoded into `out`
+/// (`n x d`) with its values mapped as [`waterfill::decode_mapped`] maps them, on the
+/// calling thread; returns what `choose` chose.
+pub fn decode_layer_mapped<C>(
+    enc: &EncodedLayer,
+    out: &mut [f32],
+    choose: impl FnOnce(&[f32], &[f32]) -> C,
+    map: impl Fn(&C, usize, &mut [f32]),
+) -> Result<Option<C>> {
+    let (n, d) = enc.shape();
+    if out.len() != n * d {
+        return Err(Error::Shape(format!(
+            "output holds {} values, the layer decodes to {n} x {d}",
+            out.len()
+        )));
+    }
+    let parsed = read_layer(enc.as_bytes())?;
+    let own = parsed.shared.is_none() && parsed.external.is_none();
+    match &parsed.blocks[..] {
+        [b] if own && b.basis.is_empty() && b.d_eff == d && b.n == n => match &b.body {
+            ParsedBody::Waterfill(w) => {
+                let metric = parsed.params.metric;
+                let mean = Some(&b.mean[..]);
+                waterfill::decode_mapped(w, n, d, metric, mean, choose, map, out).map(Some)
+            }
+            ParsedBody::Uniform(_) => Ok(None),
+        },
+        _ => Ok(None),
+    }
+}
+
 /// Checks that decoding `layers` together stays within the decode limit that each layer
 /// meets on its own, applied to their totals (decoded bytes per stored byte, beyond a
 /// floor): many small hostile layers, each within the per-layer floor, must not add up to

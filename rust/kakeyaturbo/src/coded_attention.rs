@@ -24,7 +24,7 @@
 
 use std::cell::RefCell;
 
-use crate::codec::{decode_layer_into, EncodedLayer};
+use crate::codec::{decode_layer_into, decode_layer_mapped, EncodedLayer};
 use crate::error::{Error, Result};
 use crate::parallel;
 
@@ -160,15 +160,21 @@ impl<'a> CodedStreams<'a> {
         &self,
         f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
     ) -> Result<Vec<R>> {
-        self.map_blocks_or(|_, _, _| None, f)
+        self.map_blocks_or(
+            |_, _, _| None,
+            |i, scratch| self.decode(i, scratch).map(|()| None),
+            |s, b, y, _, t0| f(s, b, y, t0),
+        )
     }
 
     /// [`Self::map_blocks`], where `ready(stream, block, first token)` may give a block's
-    /// result without decoding it (keys prepared beforehand).
+    /// result without decoding it (keys prepared beforehand), and `decode(i, scratch)`
+    /// decodes block `i` and may return how (an int16 grid: [`Self::decode_keys`]).
     fn map_blocks_or<R: Send>(
         &self,
         ready: impl Fn(usize, usize, usize) -> Option<Result<R>> + Sync,
-        f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
+        decode: impl Fn(usize, &mut Vec<f32>) -> Result<Option<int16::Grid>> + Sync,
+        f: impl Fn(usize, usize, &[f32], Option<&int16::Grid>, usize) -> Result<R> + Sync,
     ) -> Result<Vec<R>> {
         let nb = self.blocks();
         parallel::map_init(self.encs.len(), Vec::new, |scratch: &mut Vec<f32>, i| {
@@ -176,8 +182,8 @@ impl<'a> CodedStreams<'a> {
             if let Some(r) = ready(s, b, self.offsets[b]) {
                 return r;
             }
-            self.decode(i, scratch)?;
-            f(s, b, scratch, self.offsets[b])
+            let grid = decode(i, scratch)?;
+            f(s, b, scratch, grid.as_ref(), self.offsets[b])
         })
         .into_iter()
         .collect()
@@ -188,6 +194,28 @@ impl<'a> CodedStreams<'a> {
         let b = i % self.blocks();
         scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
         decode_layer_into(self.encs[i], None, scratch)
+    }
+
+    /// Block `i` decoded into `scratch` for its keys: as int16 levels straight from its codes
+    /// where `levels` and the block is in its own coordinates (the grid returned: no pass over
+    /// its values to find their centres, spreads and levels), else as its values (None).
+    fn decode_keys(
+        &self,
+        i: usize,
+        scratch: &mut Vec<f32>,
+        levels: bool,
+    ) -> Result<Option<int16::Grid>> {
+        if levels {
+            let b = i % self.blocks();
+            scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
+            let grid =
+                decode_layer_mapped(self.encs[i], scratch, int16::Grid::new, int16::Grid::level)?;
+            if grid.is_some() {
+                return Ok(grid);
+            }
+        }
+        self.decode(i, scratch)?;
+        Ok(None)
     }
 }
 
@@ -320,6 +348,13 @@ impl KeyInputs<'_> {
         }
     }
 
+    /// Whether blocks go to the int16 product as levels decoded straight from their codes
+    /// ([`int16::Grid`]): where the frames are multiplied in int16 and nothing needs the
+    /// decoded values themselves (`values_unneeded`: no token norms, which divide by `|y_t|`).
+    fn levels(&self, products: &Products, values_unneeded: bool) -> bool {
+        products.int16 && self.frames.is_some() && values_unneeded
+    }
+
     /// Block `(s, b)`'s arguments of [`block_keys`]: its frame and RoPE's angles of its
     /// tokens.
     fn block<'p>(
@@ -390,6 +425,9 @@ pub(crate) fn logits_with(
     let nb = coded.blocks();
     let ready = |s: usize, b: usize, _t0: usize| {
         let bk = prepared?.take(s * nb + b)?;
+        if norms.is_some() && bk.lengths.len() != bk.tokens(d) {
+            return None; // made without the lengths that norms need: made again here
+        }
         Some((|| {
             let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
             let mut out = vec![0.0f32; g * bk.tokens(d)];
@@ -398,12 +436,15 @@ pub(crate) fn logits_with(
             Ok(out)
         })())
     };
-    let parts = coded.map_blocks_or(ready, |s, b, y, _t0| {
+    let levels = keys.levels(&products, norms.is_none());
+    let decode = |i: usize, scratch: &mut Vec<f32>| coded.decode_keys(i, scratch, levels);
+    let parts = coded.map_blocks_or(ready, decode, |s, b, y, grid, _t0| {
         let n = y.len() / d;
         let (m, product, rot) = keys.block(coded, &products, s, b);
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         let q = &queries[s * g * d..][..g * d];
         let mut out = vec![0.0f32; g * n];
+        let y = Coords::of(y, grid);
         run_block_logits((y, d, m, product, rot, nm.as_deref(), q, g), &mut out);
         Ok(out)
     })?;
@@ -731,10 +772,43 @@ fn length<const FMA: bool>(y: &[f32]) -> f32 {
     dot::<FMA>(y, y).sqrt().max(MIN_NORM)
 }
 
+/// A decoded block as the key kernels take it: its values (`n x d`), or its int16 levels
+/// decoded straight from its codes on `grid` ([`CodedStreams::decode_keys`]; only for the
+/// int16 frame product, where nothing reads the values themselves).
+#[derive(Clone, Copy)]
+enum Coords<'a> {
+    Values(&'a [f32]),
+    Levels(&'a [f32], &'a int16::Grid),
+}
+
+impl<'a> Coords<'a> {
+    fn of(decoded: &'a [f32], grid: Option<&'a int16::Grid>) -> Self {
+        match grid {
+            Some(g) => Coords::Levels(decoded, g),
+            None => Coords::Values(decoded),
+        }
+    }
+
+    /// `n x d` numbers: the values, or the levels.
+    fn len(&self) -> usize {
+        match self {
+            Coords::Values(y) | Coords::Levels(y, _) => y.len(),
+        }
+    }
+
+    /// The values; levels only where [`KeyInputs::levels`] found nothing needs them.
+    fn values(&self) -> &'a [f32] {
+        match self {
+            Coords::Values(y) => y,
+            Coords::Levels(..) => unreachable!("levels are decoded only where no value is read"),
+        }
+    }
+}
+
 /// `(decoded block, head dim, frame, how its product runs, angles, norms, queries,
 /// query rows)`.
 type LogitArgs<'a> = (
-    &'a [f32],
+    Coords<'a>,
     usize,
     Option<&'a [f32]>,
     Product<'a>,
@@ -781,13 +855,13 @@ fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &
     let n = y.len() / d;
     let keys: &[f32] = match block_keys::<FMA>(y, d, m, product, rot, buf) {
         true => &buf[..y.len()],
-        false => y,
+        false => y.values(),
     };
     for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
         dots::<FMA>(qj, keys, o);
     }
     if norms.is_some() {
-        for (t, yt) in y.chunks_exact(d).enumerate() {
+        for (t, yt) in y.values().chunks_exact(d).enumerate() {
             let scale = token_scale::<FMA>(norms, t, yt);
             for j in 0..g {
                 out[j * n + t] *= scale;
@@ -801,7 +875,7 @@ fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &
 /// keys.
 #[inline(always)]
 fn block_keys<const FMA: bool>(
-    y: &[f32],
+    y: Coords<'_>,
     d: usize,
     m: Option<&[f32]>,
     product: Product<'_>,
@@ -817,11 +891,17 @@ fn block_keys<const FMA: bool>(
         buf.resize(y.len(), 0.0);
     }
     let own = &mut buf[..y.len()];
-    match (m, product) {
-        (Some(m), Product::Bf16(mp)) => bf16::product(y, d, m, mp, own),
-        (Some(m), Product::I16) => int16::product(y, d, m, own),
-        (Some(m), Product::F32) => BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own),
-        (None, _) => own.copy_from_slice(y),
+    match (m, product, y) {
+        (Some(m), Product::I16, Coords::Levels(l, grid)) => {
+            int16::product_levels(l, grid, d, m, own)
+        }
+        (Some(m), Product::Bf16(mp), _) => bf16::product(y.values(), d, m, mp, own),
+        (Some(m), Product::I16, _) => int16::product(y.values(), d, m, own),
+        (Some(m), Product::F32, _) => {
+            let y = y.values();
+            BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own)
+        }
+        (None, ..) => own.copy_from_slice(y.values()),
     }
     if let Some((r, pairs, repeats)) = rot {
         let turned = pairs * repeats;
@@ -841,7 +921,7 @@ fn block_keys<const FMA: bool>(
 
 /// `(decoded block, head dim, frame, how its product runs, angles)`.
 type KeyArgs<'a> = (
-    &'a [f32],
+    Coords<'a>,
     usize,
     Option<&'a [f32]>,
     Product<'a>,
@@ -849,16 +929,19 @@ type KeyArgs<'a> = (
 );
 
 /// A block's [`BlockKeys`]: its keys as [`block_logits`] makes them, and every token's
-/// [`length`] for a token-norm scale.
+/// [`length`] for a token-norm scale (none from levels: their values are not decoded).
 #[inline(always)]
 fn prepare_block<const FMA: bool>(args: KeyArgs<'_>, out: &mut BlockKeys) {
     let (y, d, m, product, rot) = args;
     if !block_keys::<FMA>(y, d, m, product, rot, &mut out.keys) {
         out.keys.clear();
-        out.keys.extend_from_slice(y);
+        out.keys.extend_from_slice(y.values());
     }
     out.keys.truncate(y.len());
-    out.lengths = y.chunks_exact(d).map(length::<FMA>).collect();
+    out.lengths = match y {
+        Coords::Values(y) => y.chunks_exact(d).map(length::<FMA>).collect(),
+        Coords::Levels(..) => Vec::new(), // no token norms read them
+    };
 }
 
 /// `(prepared keys, head dim, norms, queries, query rows)`.

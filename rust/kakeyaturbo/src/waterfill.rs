@@ -29,7 +29,7 @@ mod decode;
 #[cfg(target_arch = "x86_64")]
 mod gather;
 
-pub use decode::{decode_into, WaterfillCodes};
+pub use decode::{decode_into, decode_mapped, WaterfillCodes};
 
 /// Largest number of bits one component may take.
 pub const MAX_COMPONENT_BITS: u8 = 8;

@@ -141,11 +141,19 @@ pub(super) fn split_pairs(y: &[f32], d: usize, m: &[f32]) -> (Vec<usize>, Vec<f3
     let active: Vec<usize> = (0..d / 2)
         .filter(|&p| differs[2 * p] | differs[2 * p + 1] != 0)
         .collect();
+    let fixed = centre_product(&centre, d, m);
+    (active, centre, fixed)
+}
+
+/// `c M` in float32 (`c` has `d` values, `m` is `d x d`), the rows of `c`'s zeros skipped
+/// (inlined, so that it takes its caller's vector width).
+#[inline(always)]
+pub(super) fn centre_product(centre: &[f32], d: usize, m: &[f32]) -> Vec<f32> {
     let mut fixed = vec![0.0f32; d];
     for (j, &a) in centre.iter().enumerate().filter(|&(_, &a)| a != 0.0) {
         axpy::<false>(a, &m[j * d..][..d], &mut fixed);
     }
-    (active, centre, fixed)
+    fixed
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -24,8 +24,15 @@
 //! (`R` 4095 for up to 128 multiplied coordinates, 3344 for 192, 1448 for 1024), where
 //! bfloat16 moved it by `2^-8` of itself. Coordinates pair as `(2p, 2p + 1)`, the layout
 //! `vpdpwssd` reads; a pair is multiplied when either coordinate varies within the block.
+//!
+//! A block in its own coordinates (no basis) decodes each coordinate from a small table of
+//! values, so its extremes are known before any token is read. [`Grid`] takes `c_j` as their
+//! midpoint and `a_j` as their half-range over `R`, and maps the tables to levels, so a block
+//! decodes straight to its integer levels ([`product_levels`]): no pass over its values for
+//! the centre, the spreads or the levels (`docs/speed.md`, 45th session). The bound is the
+//! same with the tables' spread, which 256-token blocks mostly fill.
 
-use super::bf16::split_pairs;
+use super::bf16::{centre_product, split_pairs};
 use std::cell::RefCell;
 
 /// The largest `R`: 13-bit integers, beyond which the rounding is far below the float32
@@ -119,15 +126,28 @@ fn to_level(x: f32, r: i32) -> u32 {
 /// at a time: the reference the vector code of [`product`] reproduces bit for bit.
 pub(super) fn quantise(y: &[f32], d: usize, m: &[f32]) -> Quantised {
     let (active, centre, fixed) = split_pairs(y, d, m);
-    let r = level(2 * active.len());
-    let rf = r as f32;
-    // Each coordinate's largest residual in the block, and its integer step `a_j`.
+    // Each coordinate's largest residual in the block.
     let mut spread = vec![0.0f32; d];
     for yt in y.chunks_exact(d) {
         for ((s, &v), &c) in spread.iter_mut().zip(yt).zip(&centre) {
             *s = s.max((v - c).abs());
         }
     }
+    quantise_about(y, d, m, (active, &centre, fixed, &spread))
+}
+
+#[cfg(test)]
+/// [`Quantised`] of `y` against `m` about `centre`, in steps of `spread / R` (`R` from the
+/// active pairs' count), one value at a time: [`quantise`]'s and [`product_levels`]'
+/// reference, with their centres and spreads.
+pub(super) fn quantise_about(
+    y: &[f32],
+    d: usize,
+    m: &[f32],
+    (active, centre, fixed, spread): (Vec<usize>, &[f32], Vec<f32>, &[f32]),
+) -> Quantised {
+    let r = level(2 * active.len());
+    let rf = r as f32;
     let step: Vec<f32> = spread.iter().map(|&s| s / rf).collect();
     let inv: Vec<f32> = spread
         .iter()
@@ -218,6 +238,113 @@ pub(super) fn product_with(isa: Isa, y: &[f32], d: usize, m: &[f32], out: &mut [
     });
 }
 
+/// How a block's coordinates become integer levels as they are decoded from its codes,
+/// where the codes' tables bound every value before any token is read: about each
+/// coordinate's midrange, in steps of its half-range over `R`. So a level is a table lookup,
+/// and the data passes of [`product`] (the centre, the spreads, the levels) go.
+pub(super) struct Grid {
+    centre: Vec<f32>,
+    spread: Vec<f32>,
+    /// `R / spread_j` (0 where the coordinate cannot vary).
+    inv: Vec<f32>,
+    /// The pairs with a coordinate that can vary.
+    active: Vec<usize>,
+    r: i32,
+}
+
+impl Grid {
+    /// The grid of coordinates whose decoded values lie in `[lo_j, hi_j]` (finite, `d` even).
+    pub(super) fn new(lo: &[f32], hi: &[f32]) -> Grid {
+        let centre: Vec<f32> = lo
+            .iter()
+            .zip(hi)
+            .map(|(&a, &b)| if a == b { a } else { 0.5 * a + 0.5 * b })
+            .collect();
+        let spread: Vec<f32> = (lo.iter().zip(hi).zip(&centre))
+            .map(|((&a, &b), &c)| (b - c).max(c - a))
+            .collect();
+        let active: Vec<usize> = (0..lo.len() / 2)
+            .filter(|&p| spread[2 * p] > 0.0 || spread[2 * p + 1] > 0.0)
+            .collect();
+        let r = level(2 * active.len());
+        let rf = r as f32;
+        let inv = spread
+            .iter()
+            .map(|&s| if s > 0.0 { rf / s } else { 0.0 })
+            .collect();
+        Grid {
+            centre,
+            spread,
+            inv,
+            active,
+            r,
+        }
+    }
+
+    /// Coordinate `j`'s `values` as their levels, integers within `+-R` (as floats), in
+    /// place.
+    pub(super) fn level(&self, j: usize, values: &mut [f32]) {
+        let (c, inv, r) = (self.centre[j], self.inv[j], self.r as f32);
+        for v in values {
+            *v = round_even((*v - c) * inv).clamp(-r, r);
+        }
+    }
+
+    #[cfg(test)]
+    /// [`quantise_about`]'s arguments for this grid and frame.
+    pub(super) fn reference(&self, y: &[f32], d: usize, m: &[f32]) -> Quantised {
+        let fixed = centre_product(&self.centre, d, m);
+        let about = (
+            self.active.clone(),
+            &self.centre[..],
+            fixed,
+            &self.spread[..],
+        );
+        quantise_about(y, d, m, about)
+    }
+}
+
+/// `x` rounded to the nearest integer, ties to even, as the CPU converts (and
+/// `f32::round_ties_even`, a libm call here), for `|x| < 2^22`; larger ones are clamped to
+/// `R` anyway.
+#[inline(always)]
+fn round_even(x: f32) -> f32 {
+    // Adding 1.5 * 2^23 leaves no fraction bits: the sum rounds to nearest even.
+    const MAGIC: f32 = 12_582_912.0;
+    if x.abs() < 4_194_304.0 {
+        (x + MAGIC) - MAGIC
+    } else {
+        x
+    }
+}
+
+/// `out[t] = y_t M` for a block decoded as `grid`'s levels (`levels` is `n x d`, each
+/// [`Grid::level`] of the block's value): [`product`]'s tiles and bits for the levels it
+/// would have made with this grid's centres and spreads.
+///
+/// Panics unless [`available`] and [`fits`]`(d)` hold and the lengths match.
+pub(super) fn product_levels(levels: &[f32], grid: &Grid, d: usize, m: &[f32], out: &mut [f32]) {
+    let isa = isa().expect("int16 products need AVX2 and FMA");
+    assert!(fits(d) && grid.centre.len() == d);
+    assert!(levels.len().is_multiple_of(d) && out.len() == levels.len() && m.len() == d * d);
+    #[cfg(target_arch = "x86_64")]
+    BUFFERS.with_borrow_mut(|(ys, ms)| {
+        #[allow(unsafe_code)]
+        // SAFETY: `isa()` found AVX2 and FMA (and the rest of `isa`'s); shapes asserted above.
+        unsafe {
+            x86::pack_levels(levels, d, ys);
+            let rf = grid.r as f32;
+            let step: Vec<f32> = grid.spread.iter().map(|&s| s / rf).collect();
+            let block = x86::Block {
+                col_scale: x86::scaled_frame(&grid.active, &step, m, d, grid.r, ms),
+                active: grid.active.clone(),
+                fixed: x86::centre_product(&grid.centre, d, m),
+            };
+            x86::tiles(isa, &block, ys, ms, d, out);
+        }
+    });
+}
+
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86 {
@@ -227,9 +354,9 @@ mod x86 {
     /// A block's integer form beside the pairs in the thread's buffers: the active pairs, the
     /// centre's product `c M` and each column's scale `b_c`.
     pub(super) struct Block {
-        active: Vec<usize>,
-        fixed: Vec<f32>,
-        col_scale: Vec<f32>,
+        pub active: Vec<usize>,
+        pub fixed: Vec<f32>,
+        pub col_scale: Vec<f32>,
     }
 
     /// The block's integer pairs into `ys` (`n x d / 2`) and `ms` (`active x d`), grown as
@@ -252,19 +379,7 @@ mod x86 {
         let (half, n) = (d / 2, y.len() / d);
         assert!(active.iter().all(|&p| p < half) && m.len() == d * d && d.is_multiple_of(8));
         let r = level(2 * active.len());
-        let rf = _mm256_set1_ps(r as f32);
-        let (lo_r, hi_r) = (_mm256_set1_epi32(-r), _mm256_set1_epi32(r));
-        let abs = |x: __m256| _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX)));
-        // x * inv rounded to nearest even (the MXCSR default), clamped to +-r, as 8 int32.
-        let levels = |x: __m256, inv: __m256| {
-            let i = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
-            _mm256_min_epi32(_mm256_max_epi32(i, lo_r), hi_r)
-        };
-        // rf / x where x > 0, else 0 (as the scalar reference).
-        let inverse = |x: __m256| {
-            let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_setzero_ps());
-            _mm256_and_ps(_mm256_div_ps(rf, x), pos)
-        };
+        let st = Steps::new(r);
         // SAFETY (every load and store below): offsets within the asserted shapes.
         let load = |v: &[f32], c: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add(c)) };
         // A token's residuals `y_t - c` at columns `c..c + 8`.
@@ -280,8 +395,8 @@ mod x86 {
         for c in (0..d).step_by(8) {
             let s = load(&spread, c);
             unsafe {
-                _mm256_storeu_ps(step.as_mut_ptr().add(c), _mm256_div_ps(s, rf));
-                _mm256_storeu_ps(inv.as_mut_ptr().add(c), inverse(s));
+                _mm256_storeu_ps(step.as_mut_ptr().add(c), _mm256_div_ps(s, st.rf));
+                _mm256_storeu_ps(inv.as_mut_ptr().add(c), st.inverse(s));
             }
         }
         if ys.len() < n * half {
@@ -289,15 +404,125 @@ mod x86 {
         }
         for (yt, o) in y.chunks_exact(d).zip(ys.chunks_exact_mut(half)) {
             for c in (0..d).step_by(8) {
-                let q = levels(residual(yt, c), load(&inv, c));
+                let q = st.levels(residual(yt, c), load(&inv, c));
                 // 8 int32 within +-4095 as 8 int16 in order (the pack saturates nothing).
                 let q = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
                 unsafe { _mm_storeu_si128(o.as_mut_ptr().add(c / 2).cast(), q) };
             }
         }
-        // The frame's active rows scaled by their steps, each column over its largest entry.
+        let col_scale = scaled_frame(&active, &step, m, d, r, ms);
+        Block {
+            active,
+            fixed,
+            col_scale,
+        }
+    }
+
+    /// [`super::centre_product`] in 8-lane AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn centre_product(centre: &[f32], d: usize, m: &[f32]) -> Vec<f32> {
+        super::centre_product(centre, d, m)
+    }
+
+    /// A block's integer steps at level `r`, 8 lanes at a time.
+    #[derive(Clone, Copy)]
+    struct Steps {
+        rf: __m256,
+        lo: __m256i,
+        hi: __m256i,
+    }
+
+    impl Steps {
+        /// # Safety
+        /// The CPU has AVX2 (inlined into the `avx2,fma` functions here).
+        #[inline(always)]
+        unsafe fn new(r: i32) -> Self {
+            Self {
+                rf: _mm256_set1_ps(r as f32),
+                lo: _mm256_set1_epi32(-r),
+                hi: _mm256_set1_epi32(r),
+            }
+        }
+
+        /// `x * inv` rounded to nearest even (the MXCSR default), clamped to `+-r`, as int32.
+        ///
+        /// # Safety
+        /// As [`Steps::new`].
+        #[inline(always)]
+        unsafe fn levels(self, x: __m256, inv: __m256) -> __m256i {
+            let i = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+            _mm256_min_epi32(_mm256_max_epi32(i, self.lo), self.hi)
+        }
+
+        /// `r / x` where `x > 0`, else 0 (as the scalar reference).
+        ///
+        /// # Safety
+        /// As [`Steps::new`].
+        #[inline(always)]
+        unsafe fn inverse(self, x: __m256) -> __m256 {
+            let pos = _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_setzero_ps());
+            _mm256_and_ps(_mm256_div_ps(self.rf, x), pos)
+        }
+    }
+
+    /// `|x|` in 8 lanes.
+    ///
+    /// # Safety
+    /// As [`Steps::new`].
+    #[inline(always)]
+    unsafe fn abs(x: __m256) -> __m256 {
+        _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX)))
+    }
+
+    /// Levels (`n x d` integers within `+-4095`, as floats) as pairs into `ys` (`n x d / 2`),
+    /// grown as needed.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `d` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn pack_levels(levels: &[f32], d: usize, ys: &mut Vec<u32>) {
+        assert!(d.is_multiple_of(8) && levels.len().is_multiple_of(d));
+        let half = d / 2;
+        if ys.len() < levels.len() / 2 {
+            ys.resize(levels.len() / 2, 0);
+        }
+        for (yt, o) in levels.chunks_exact(d).zip(ys.chunks_exact_mut(half)) {
+            for c in (0..d).step_by(8) {
+                // SAFETY: `c + 8 <= d` values of `yt`, `c / 2 + 4 <= half` of `o`.
+                unsafe {
+                    let q = _mm256_cvtps_epi32(_mm256_loadu_ps(yt.as_ptr().add(c)));
+                    let lo = _mm256_castsi256_si128(q);
+                    let q = _mm_packs_epi32(lo, _mm256_extracti128_si256(q, 1));
+                    _mm_storeu_si128(o.as_mut_ptr().add(c / 2).cast(), q);
+                }
+            }
+        }
+    }
+
+    /// The frame's active rows scaled by their `step`s, each column over its largest entry,
+    /// as level pairs into `ms` (`active x d`, grown as needed); returns each column's scale.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `d` is a multiple of 8; `m` holds `d x d`, `step` `d`, and
+    /// every active pair is below `d / 2`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scaled_frame(
+        active: &[usize],
+        step: &[f32],
+        m: &[f32],
+        d: usize,
+        r: i32,
+        ms: &mut Vec<u32>,
+    ) -> Vec<f32> {
+        assert!(active.iter().all(|&p| p < d / 2) && m.len() == d * d && step.len() == d);
+        let st = Steps::new(r);
+        // SAFETY (every load and store below): offsets within the asserted shapes.
+        let load = |v: &[f32], c: usize| unsafe { _mm256_loadu_ps(v.as_ptr().add(c)) };
         let mut col_max = vec![0.0f32; d];
-        for &p in &active {
+        for &p in active {
             for j in [2 * p, 2 * p + 1] {
                 let a = _mm256_set1_ps(step[j]);
                 for c in (0..d).step_by(8) {
@@ -311,8 +536,8 @@ mod x86 {
         for c in (0..d).step_by(8) {
             let x = load(&col_max, c);
             unsafe {
-                _mm256_storeu_ps(col_scale.as_mut_ptr().add(c), _mm256_div_ps(x, rf));
-                _mm256_storeu_ps(col_inv.as_mut_ptr().add(c), inverse(x));
+                _mm256_storeu_ps(col_scale.as_mut_ptr().add(c), _mm256_div_ps(x, st.rf));
+                _mm256_storeu_ps(col_inv.as_mut_ptr().add(c), st.inverse(x));
             }
         }
         if ms.len() < active.len() * d {
@@ -325,17 +550,13 @@ mod x86 {
             for c in (0..d).step_by(8) {
                 let ci = load(&col_inv, c);
                 // (step * m) * col_inv, in the reference's order; the pair as lo | hi << 16.
-                let lo = levels(_mm256_mul_ps(a0, load(m, j0 * d + c)), ci);
-                let hi = levels(_mm256_mul_ps(a1, load(m, j1 * d + c)), ci);
+                let lo = st.levels(_mm256_mul_ps(a0, load(m, j0 * d + c)), ci);
+                let hi = st.levels(_mm256_mul_ps(a1, load(m, j1 * d + c)), ci);
                 let pair = _mm256_or_si256(_mm256_and_si256(lo, low), _mm256_slli_epi32(hi, 16));
                 unsafe { _mm256_storeu_si256(o.as_mut_ptr().add(c).cast(), pair) };
             }
         }
-        Block {
-            active,
-            fixed,
-            col_scale,
-        }
+        col_scale
     }
 
     /// `width` output columns from `col` on: their centre product, their scales and the

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use super::{run_prepare_block, CodedStreams, KeyInputs};
+use super::{run_prepare_block, CodedStreams, Coords, KeyInputs};
 use crate::error::{Error, Result};
 
 const TODO: u8 = 0;
@@ -95,11 +95,21 @@ impl PreparedKeys {
     /// Makes the keys of `coded`'s blocks with `keys`, from the last block to the first,
     /// skipping those attention has taken, until every block is visited or [`Self::cancel`]
     /// is called. Runs on the calling thread alone. Returns the number of blocks it made.
-    pub fn prepare(&self, coded: &CodedStreams<'_>, keys: &KeyInputs<'_>) -> Result<usize> {
+    ///
+    /// `token_norms`: whether the attention will scale the keys by token norms, which needs
+    /// each token's `|y_t|`; without it int16 products may skip the decoded values
+    /// ([`super::KeyInputs`]' levels), and an attention with norms makes such blocks again.
+    pub fn prepare(
+        &self,
+        coded: &CodedStreams<'_>,
+        keys: &KeyInputs<'_>,
+        token_norms: bool,
+    ) -> Result<usize> {
         self.check(coded)?;
         keys.check(coded)?;
         let (nb, d) = (coded.blocks(), coded.d);
         let products = keys.products(d);
+        let levels = keys.levels(&products, !token_norms);
         let mut scratch = Vec::new();
         let mut made = 0;
         for (i, slot) in self.slots.iter().enumerate().rev() {
@@ -117,10 +127,11 @@ impl PreparedKeys {
                 state: &slot.state,
                 done: false,
             };
-            coded.decode(i, &mut scratch)?;
+            let grid = coded.decode_keys(i, &mut scratch, levels)?;
             let (m, product, rot) = keys.block(coded, &products, i / nb, i % nb);
             let mut out = BlockKeys::default();
-            run_prepare_block((&scratch, d, m, product, rot), &mut out);
+            let y = Coords::of(&scratch, grid.as_ref());
+            run_prepare_block((y, d, m, product, rot), &mut out);
             // Only this thread moved the slot to BUSY, so it is empty.
             let _ = slot.keys.set(out);
             undo.done = true;

@@ -274,7 +274,7 @@ fn fused_and_separate_multiply_adds_agree() {
     let norms = [1.5f32; 7];
     let q = normals(g * d, 8);
     let args = (
-        &y[..],
+        Coords::Values(&y[..]),
         d,
         Some(&m[..]),
         Product::F32,
@@ -537,6 +537,81 @@ fn int16_frame_product_is_its_integer_reference_within_the_level() {
             "d={d}: {worst_rel}"
         );
     }
+}
+
+#[test]
+fn int16_levels_decoded_from_codes_are_their_grids_reference_bit_for_bit() {
+    if !int16::available() {
+        eprintln!("skipped: this CPU has no int16 product");
+        return;
+    }
+    // A cache's block of 256 tokens and one of 13 (a tile, then tokens alone), with spikes
+    // that the codec stores as outliers.
+    for (d, n) in [(64, 256), (192, 256), (192, 13)] {
+        let mut x = kv_like(n, d, 40 + d as u64);
+        for t in (0..n).step_by(5) {
+            x[t * d + (t * 7) % d] *= 30.0;
+        }
+        let p = CodecParams {
+            pca_method: PcaMethod::None,
+            block_size: n,
+            ..waterfill(2.5)
+        };
+        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let y = decode_layer(&enc).unwrap();
+        let mut levels = vec![0.0f32; n * d];
+        let grid = decode_layer_mapped(&enc, &mut levels, int16::Grid::new, int16::Grid::level)
+            .unwrap()
+            .expect("a block in its own coordinates");
+        // The levels decoded from the codes are the decoded values' levels.
+        let mut mapped = y.clone();
+        for (i, v) in mapped.iter_mut().enumerate() {
+            grid.level(i % d, std::slice::from_mut(v));
+        }
+        assert_eq!(levels, mapped, "d={d} n={n}");
+        assert!(levels.iter().all(|&l| l.abs() <= 4095.0 && l == l.round()));
+        let m = normals(d * d, 41);
+        let mut out = vec![0.0f32; n * d];
+        int16::product_levels(&levels, &grid, d, &m, &mut out);
+        let mut reference = vec![0.0f32; n * d];
+        int16::product_scalar(&grid.reference(&y, d, &m), d, &mut reference);
+        assert_eq!(
+            out, reference,
+            "d={d} n={n}: the product is its reference's"
+        );
+        // And close to the float product, about as close as levels of the decoded values'
+        // own spreads come (tables span more than 13 tokens use, and less than outliers).
+        let mut exact = vec![0.0f32; n * d];
+        for (yt, o) in y.chunks_exact(d).zip(exact.chunks_exact_mut(d)) {
+            times_frame::<false>(yt, &m, o);
+        }
+        let mut own = vec![0.0f32; n * d];
+        int16::product(&y, d, &m, &mut own);
+        let (scale, gap) = (largest(&exact), largest_gap(&exact, &out));
+        let own_gap = largest_gap(&exact, &own);
+        assert!(
+            gap > 0.0 && gap <= 3e-3 * scale,
+            "d={d} n={n}: {gap} of {scale}"
+        );
+        assert!(gap <= 2.0 * own_gap, "d={d} n={n}: {gap} against {own_gap}");
+    }
+}
+
+/// Layers the int16 levels cannot take (a basis of their own) decode as values instead.
+#[test]
+fn int16_levels_leave_blocks_with_a_basis_to_their_values() {
+    let (n, d) = (64, 64);
+    let x = kv_like(n, d, 3);
+    let p = CodecParams {
+        block_size: n,
+        ..waterfill(2.5)
+    };
+    assert_ne!(p.pca_method, PcaMethod::None);
+    let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+    let mut out = vec![7.0f32; n * d];
+    let grid = decode_layer_mapped(&enc, &mut out, int16::Grid::new, int16::Grid::level).unwrap();
+    assert!(grid.is_none());
+    assert!(out.iter().all(|&v| v == 7.0), "untouched");
 }
 
 #[test]

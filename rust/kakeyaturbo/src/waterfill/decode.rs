@@ -237,42 +237,140 @@ pub fn decode_into(
     mean: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<()> {
+    check_shape(b, d_eff, mean)?;
+    let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
+    let (values, offsets) = component_values(b, metric, fold)?;
+    let outliers = outlier_values(b, d_eff, fold)?;
+    decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)
+}
+
+/// [`decode_into`] with each value mapped as it is written: `choose(lo, hi)` gets each
+/// component's smallest and largest value the block can decode to (its table's, every code
+/// of its width, and its outliers'), then `map(&chosen, j, values)` rewrites component `j`'s
+/// values in place (its table, then each outlier alone) before any vector is decoded. So the
+/// rows cost what they cost unmapped. Every mapped value must be finite (checked: an
+/// `Error::Format` otherwise). Returns what `choose` chose.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_mapped<C>(
+    b: &WaterfillCodes<'_>,
+    n: usize,
+    d_eff: usize,
+    metric: Metric,
+    mean: Option<&[f32]>,
+    choose: impl FnOnce(&[f32], &[f32]) -> C,
+    map: impl Fn(&C, usize, &mut [f32]),
+    out: &mut [f32],
+) -> Result<C> {
+    check_shape(b, d_eff, mean)?;
+    let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
+    let (mut values, offsets) = component_values(b, metric, fold)?;
+    let mut outliers = outlier_values(b, d_eff, fold)?;
+    let total = values.len();
+    let table = |j: usize| offsets[j]..offsets.get(j + 1).copied().unwrap_or(total);
+    // A table is `m_j + l s_j g` over a codebook's ascending levels with `s_j >= 0` (the
+    // reader's bound), so it is monotone: its ends are its extremes.
+    let ends = |j: usize| {
+        let t = &values[table(j)];
+        let (a, b) = (t[0], t[t.len() - 1]);
+        (a.min(b), a.max(b))
+    };
+    let (mut lo, mut hi): (Vec<f32>, Vec<f32>) = (0..d_eff).map(ends).unzip();
+    for &(pos, ref v) in &outliers {
+        let j = pos % d_eff;
+        (lo[j], hi[j]) = (lo[j].min(v[0]), hi[j].max(v[0]));
+    }
+    let chosen = choose(&lo, &hi);
+    for j in 0..d_eff {
+        let t = table(j);
+        map(&chosen, j, &mut values[t]);
+    }
+    for (pos, v) in &mut outliers {
+        map(&chosen, *pos % d_eff, &mut v[..]);
+    }
+    if !all_finite(&values) || !outliers.iter().all(|(_, [v])| v.is_finite()) {
+        return Err(not_finite());
+    }
+    decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)?;
+    Ok(chosen)
+}
+
+/// Whether every value is finite, with no exit per value (a block's tables hold thousands).
+fn all_finite(values: &[f32]) -> bool {
+    // A finite value's bits below the sign are below infinity's.
+    let widest = values
+        .iter()
+        .fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    widest < f32::INFINITY.to_bits()
+}
+
+/// Checks the block's side sections against `d_eff` and the mean's length.
+fn check_shape(b: &WaterfillCodes<'_>, d_eff: usize, mean: Option<&[f32]>) -> Result<()> {
     let shape_ok = d_eff > 0
         && b.sigma.len() == d_eff
         && b.comp_bits.len() == d_eff
-        && out.len() == n * d_eff
         && mean.is_none_or(|m| m.len() == d_eff);
     if !shape_ok || b.comp_bits.iter().any(|&v| v > MAX_COMPONENT_BITS) {
         return Err(Error::Format(
             "water-filled block sections disagree with its shape".into(),
         ));
     }
-    let fold = |j: usize, c: f32| match mean {
-        Some(m) => m[j] + c,
-        None => c,
-    };
-    let (values, offsets) = component_values(b, metric, fold)?;
+    Ok(())
+}
+
+/// Each outlier's position and value, `fold(j, stored value s_j)` (a one-value array, as
+/// [`decode_mapped`]'s `map` takes it), checked finite.
+fn outlier_values(
+    b: &WaterfillCodes<'_>,
+    d_eff: usize,
+    fold: impl Fn(usize, f32) -> f32,
+) -> Result<Vec<(usize, [f32; 1])>> {
+    b.outliers
+        .iter()
+        .map(|&(pos, val)| {
+            let (pos, j) = (pos as usize, pos as usize % d_eff);
+            let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
+            if v.is_finite() {
+                Ok((pos, [v]))
+            } else {
+                Err(not_finite())
+            }
+        })
+        .collect()
+}
+
+/// The block's vectors from its components' tables (`values` from `offsets[j]` on: one
+/// value per code), then its outliers' values over theirs.
+fn decode_tables(
+    b: &WaterfillCodes<'_>,
+    n: usize,
+    d_eff: usize,
+    (values, offsets): (&[f32], &[usize]),
+    outliers: &[(usize, [f32; 1])],
+    out: &mut [f32],
+) -> Result<()> {
+    if out.len() != n * d_eff {
+        return Err(Error::Format(
+            "water-filled block sections disagree with its shape".into(),
+        ));
+    }
     let per_vector: usize = b.comp_bits.iter().map(|&v| v as usize).sum();
     if n.checked_mul(per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
         return Err(Error::Format(
             "water-filled code stream has the wrong length".into(),
         ));
     }
-    if !gather_rows(b, (n, per_vector), &values, &offsets, out) {
+    if !gather_rows(b, (n, per_vector), values, offsets, out) {
         let joint = if n >= JOINT_MIN_VECTORS {
             JOINT_BITS
         } else {
             0
         };
-        let prog = Program::new(&b.comp_bits, joint, &values, &offsets);
+        let prog = Program::new(&b.comp_bits, joint, values, offsets);
         prog.run_rows(b.codes, n, d_eff, out)?;
     }
-    for &(pos, val) in &b.outliers {
-        let (pos, j) = (pos as usize, pos as usize % d_eff);
-        let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
+    for &(pos, [v]) in outliers {
         match out.get_mut(pos) {
-            Some(o) if v.is_finite() => *o = v,
-            Some(_) => return Err(not_finite()),
+            Some(o) => *o = v,
             None => return Err(Error::Format("outlier position out of range".into())),
         }
     }
@@ -299,7 +397,7 @@ fn component_values(
             values.extend(book(bits).levels().iter().map(|&l| fold(j, l * s * g)));
         }
     }
-    if values.iter().any(|v| !v.is_finite()) {
+    if !all_finite(&values) {
         return Err(not_finite());
     }
     Ok((values, offsets))
@@ -430,9 +528,11 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Random widths (0..=8, runs of zeros included), scales, codes, outliers, both
         /// metrics, with and without a mean: the program matches the direct formula bit
-        /// for bit.
+        /// for bit. A mapped decode is the map of its values, every value lies within the
+        /// ranges `choose` was given, and each range's ends are values the block could
+        /// decode to (its table's extremes or an outlier).
         #[test]
-        fn program_matches_the_direct_formula(
+        fn program_and_mapped_decode_match_the_direct_formula(
             n in 1usize..80,
             bits in proptest::collection::vec(prop_oneof![Just(0u8), 0u8..=8], 1..40),
             seed in any::<u64>(),
@@ -452,6 +552,29 @@ mod tests {
             let want = reference(&body, n, d, metric, mean);
             let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
             prop_assert!(same, "{:?}\nvs\n{:?}", out, want);
+
+            let f = |j: usize, v: f32| 0.5 * v - j as f32;
+            let (lo, hi) = decode_mapped(
+                &body, n, d, metric, mean,
+                |lo, hi| (lo.to_vec(), hi.to_vec()),
+                |_, j, vs| vs.iter_mut().for_each(|v| *v = f(j, *v)),
+                &mut out,
+            ).unwrap();
+            for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+                let j = i % d;
+                prop_assert_eq!(o.to_bits(), f(j, w).to_bits(), "value {}", i);
+                prop_assert!(lo[j] <= w && w <= hi[j], "value {} = {} outside [{}, {}]", i, w, lo[j], hi[j]);
+            }
+            let m = |j: usize| mean.map_or(0.0, |m| m[j]);
+            let (values, offsets) = component_values(&body, metric, |j, c| m(j) + c).unwrap();
+            for j in 0..d {
+                let end = offsets.get(j + 1).copied().unwrap_or(values.len());
+                let table = &values[offsets[j]..end];
+                let stored = |x: f32| table.contains(&x) || body.outliers.iter().any(|&(p, v)| {
+                    p as usize % d == j && m(j) + v.to_f32() * body.sigma[j].to_f32() == x
+                });
+                prop_assert!(stored(lo[j]) && stored(hi[j]), "component {}", j);
+            }
         }
     }
 
@@ -510,8 +633,10 @@ mod tests {
         }
     }
 
+    /// Wrong lengths, and a map that makes a value not finite, are format errors, not
+    /// silent garbage.
     #[test]
-    fn wrong_lengths_are_format_errors() {
+    fn wrong_lengths_and_mapped_values_not_finite_are_format_errors() {
         let codes = [0u8; 3];
         let body = WaterfillCodes {
             sigma: vec![f16::ONE; 3],
@@ -531,6 +656,15 @@ mod tests {
             ..body.clone()
         };
         let e = decode_into(&far, 6, 3, Metric::Mse, None, &mut out).unwrap_err();
+        assert!(e.is_format_error());
+        let nan_at_2 = |_: &(), j: usize, vs: &mut [f32]| {
+            if j == 2 {
+                vs[0] = f32::NAN;
+            }
+        };
+        let nothing = |_: &[f32], _: &[f32]| ();
+        let e = decode_mapped(&body, 6, 3, Metric::Mse, None, nothing, nan_at_2, &mut out);
+        let e = e.unwrap_err();
         assert!(e.is_format_error());
     }
 }
