@@ -275,10 +275,11 @@ def coded_key_logits(
     ``"float32"``; ``"int16"`` (``y_t`` less a centre per block, and the frame, as 16-bit
     integers with scales per block, 11-13 bits of each, exact int32 sums; the centre's product
     in float32; blocks without a basis or key norms decode to those integers straight from
-    their codes, centred on each coordinate's decodable range) where :func:`int16_products` says the CPU has AVX512-VNNI or AVX2 (the same bits
-    on either); or ``"bfloat16"`` (both rounded to bfloat16, float32 sums) where
-    :func:`bf16_products` says it multiplies bfloat16 natively. Both multiply faster than
-    float32 there (twice its rate with AVX-512) and run the float32 product elsewhere."""
+    their codes, centred on each coordinate's decodable range) where :func:`int16_products`
+    says the CPU has AVX512-VNNI or AVX2 (the same bits on either); or ``"bfloat16"`` (both
+    rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
+    bfloat16 natively. Both multiply faster than float32 there (twice its rate with AVX-512)
+    and run the float32 product elsewhere."""
     return _core.coded_key_logits(
         _raws(encs),
         streams,
