@@ -429,26 +429,37 @@ pub fn decode_layer_into(
     external: Option<&ExternalBasis>,
     out: &mut [f32],
 ) -> Result<()> {
-    let (n, d) = enc.shape();
-    if out.len() != n * d {
-        return Err(Error::Shape(format!(
-            "output holds {} values, the layer decodes to {n} x {d}",
-            out.len()
-        )));
-    }
+    check_output(enc, out)?;
     decode_parsed(&read_layer(enc.as_bytes())?, external, out)
 }
 
-/// For a layer of one water-filled block in its own coordinates (no basis: `pca_method =
-/// none`; `Ok(None)` for any other form, `out` untouched): the layer decoded into `out`
-/// (`n x d`) with its values mapped as [`waterfill::decode_mapped`] maps them, on the
-/// calling thread; returns what `choose` chose.
+/// [`decode_layer_into`] without an external basis, with a layer of one water-filled block
+/// in its own coordinates (no basis: `pca_method = none`) decoded with its values mapped as
+/// [`waterfill::decode_mapped`] maps them, on the calling thread, returning what `choose`
+/// chose; any other layer is decoded as its values (`Ok(None)`), from the same parse.
 pub fn decode_layer_mapped<C>(
     enc: &EncodedLayer,
     out: &mut [f32],
     choose: impl FnOnce(&[f32], &[f32]) -> C,
     map: impl Fn(&C, usize, &mut [f32]),
 ) -> Result<Option<C>> {
+    check_output(enc, out)?;
+    let (n, d) = enc.shape();
+    let parsed = read_layer(enc.as_bytes())?;
+    let own = parsed.shared.is_none() && parsed.external.is_none();
+    if let [b] = &parsed.blocks[..] {
+        if let ParsedBody::Waterfill(w) = &b.body {
+            if own && b.basis.is_empty() && b.d_eff == d && b.n == n {
+                let (metric, mean) = (parsed.params.metric, Some(&b.mean[..]));
+                return waterfill::decode_mapped(w, n, d, metric, mean, choose, map, out).map(Some);
+            }
+        }
+    }
+    decode_parsed(&parsed, None, out).map(|()| None)
+}
+
+/// `out` holds exactly the layer's `n_tokens x head_dim` values (`Error::Shape` otherwise).
+fn check_output(enc: &EncodedLayer, out: &[f32]) -> Result<()> {
     let (n, d) = enc.shape();
     if out.len() != n * d {
         return Err(Error::Shape(format!(
@@ -456,19 +467,7 @@ pub fn decode_layer_mapped<C>(
             out.len()
         )));
     }
-    let parsed = read_layer(enc.as_bytes())?;
-    let own = parsed.shared.is_none() && parsed.external.is_none();
-    match &parsed.blocks[..] {
-        [b] if own && b.basis.is_empty() && b.d_eff == d && b.n == n => match &b.body {
-            ParsedBody::Waterfill(w) => {
-                let metric = parsed.params.metric;
-                let mean = Some(&b.mean[..]);
-                waterfill::decode_mapped(w, n, d, metric, mean, choose, map, out).map(Some)
-            }
-            ParsedBody::Uniform(_) => Ok(None),
-        },
-        _ => Ok(None),
-    }
+    Ok(())
 }
 
 /// Checks that decoding `layers` together stays within the decode limit that each layer

@@ -191,9 +191,7 @@ impl<'a> CodedStreams<'a> {
 
     /// Block `i` (stream-major) decoded into `scratch`.
     fn decode(&self, i: usize, scratch: &mut Vec<f32>) -> Result<()> {
-        let b = i % self.blocks();
-        scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
-        decode_layer_into(self.encs[i], None, scratch)
+        decode_layer_into(self.encs[i], None, self.sized(i, scratch))
     }
 
     /// Block `i` decoded into `scratch` for its keys: as int16 levels straight from its codes
@@ -205,17 +203,18 @@ impl<'a> CodedStreams<'a> {
         scratch: &mut Vec<f32>,
         levels: bool,
     ) -> Result<Option<int16::Grid>> {
-        if levels {
-            let b = i % self.blocks();
-            scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
-            let grid =
-                decode_layer_mapped(self.encs[i], scratch, int16::Grid::new, int16::Grid::level)?;
-            if grid.is_some() {
-                return Ok(grid);
-            }
+        if !levels {
+            return self.decode(i, scratch).map(|()| None);
         }
-        self.decode(i, scratch)?;
-        Ok(None)
+        let (grid, level) = (int16::Grid::new, int16::Grid::level);
+        decode_layer_mapped(self.encs[i], self.sized(i, scratch), grid, level)
+    }
+
+    /// `scratch` resized to block `i`'s `n x d` values (the callers read its whole length).
+    fn sized<'s>(&self, i: usize, scratch: &'s mut Vec<f32>) -> &'s mut [f32] {
+        let b = i % self.blocks();
+        scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
+        scratch
     }
 }
 
