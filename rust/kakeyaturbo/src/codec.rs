@@ -440,7 +440,7 @@ pub fn decode_layer_into(
 pub fn decode_layer_mapped<C>(
     enc: &EncodedLayer,
     out: &mut [f32],
-    choose: impl FnOnce(&[f32], &[f32]) -> C,
+    choose: impl FnOnce(&[f32], &[f32], &[(usize, f32)]) -> C,
     map: impl Fn(&C, usize, &mut [f32]),
 ) -> Result<Option<C>> {
     check_output(enc, out)?;

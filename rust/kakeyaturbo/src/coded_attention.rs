@@ -885,23 +885,26 @@ fn block_keys<const FMA: bool>(
     if m.is_none() && rot.is_none() {
         return false;
     }
-    // Grown, never cleared: the product or the copy writes all of its first `n d`.
-    if buf.len() < y.len() {
-        buf.resize(y.len(), 0.0);
+    if let (Some(m), Product::I16, Coords::Levels(l, grid)) = (m, product, y) {
+        // Sized to the block and written whole, its memory not zeroed first.
+        int16::product_levels(l, grid, d, m, buf);
+    } else {
+        // Grown, never cleared: the product or the copy writes all of its first `n d`.
+        if buf.len() < y.len() {
+            buf.resize(y.len(), 0.0);
+        }
+        let own = &mut buf[..y.len()];
+        match (m, product) {
+            (Some(m), Product::Bf16(mp)) => bf16::product(y.values(), d, m, mp, own),
+            (Some(m), Product::I16) => int16::product(y.values(), d, m, own),
+            (Some(m), Product::F32) => {
+                let y = y.values();
+                BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own)
+            }
+            (None, _) => own.copy_from_slice(y.values()),
+        }
     }
     let own = &mut buf[..y.len()];
-    match (m, product, y) {
-        (Some(m), Product::I16, Coords::Levels(l, grid)) => {
-            int16::product_levels(l, grid, d, m, own)
-        }
-        (Some(m), Product::Bf16(mp), _) => bf16::product(y.values(), d, m, mp, own),
-        (Some(m), Product::I16, _) => int16::product(y.values(), d, m, own),
-        (Some(m), Product::F32, _) => {
-            let y = y.values();
-            BlockFrame::new::<FMA>(y, d, m).product::<FMA>(y, d, own)
-        }
-        (None, ..) => own.copy_from_slice(y.values()),
-    }
     if let Some((r, pairs, repeats)) = rot {
         let turned = pairs * repeats;
         for (k, rt) in own.chunks_exact_mut(d).zip(r.chunks_exact(2 * pairs)) {

@@ -30,10 +30,13 @@
 //! midpoint and `a_j` as their half-range over `R`, and maps the tables to levels, so a block
 //! decodes straight to its integer levels ([`product_levels`]): no pass over its values for
 //! the centre, the spreads or the levels (`docs/speed.md`, 45th session). The bound is the
-//! same with the tables' spread, which 256-token blocks mostly fill.
+//! same with the tables' spread, which 256-token blocks mostly fill. A coordinate whose table
+//! holds one value varies only at its outliers: they are added after the tiles in float32
+//! (one frame row each), so its pair is not multiplied for every token (46th session).
 
 use super::bf16::{centre_product, split_pairs};
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 
 /// The largest `R`: 13-bit integers, beyond which the rounding is far below the float32
 /// sums' own.
@@ -230,9 +233,11 @@ pub(super) fn product_with(isa: Isa, y: &[f32], d: usize, m: &[f32], out: &mut [
     BUFFERS.with_borrow_mut(|(ys, ms)| {
         #[allow(unsafe_code)]
         // SAFETY: `runs(isa)` found AVX2 and FMA, and AVX512-VNNI, -BW, -VL and -F for
-        // `Isa::Vnni512`; the shapes are asserted above.
+        // `Isa::Vnni512`; the shapes are asserted above. The tiles write only initialised
+        // values, so `out` may be seen as possibly uninitialised memory.
         unsafe {
             let block = x86::quantise(y, d, m, ys, ms);
+            let out = &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]);
             x86::tiles(isa, &block, ys, ms, d, out);
         }
     });
@@ -249,18 +254,34 @@ pub(super) struct Grid {
     inv: Vec<f32>,
     /// The pairs with a coordinate that can vary.
     active: Vec<usize>,
+    /// `(token, coordinate, value - centre)` of the outliers of coordinates whose table holds
+    /// one value (level 0 for every token): added after the product.
+    sparse: Vec<(usize, usize, f32)>,
     r: i32,
 }
 
 impl Grid {
-    /// The grid of coordinates whose decoded values lie in `[lo_j, hi_j]` (finite, `d` even).
-    pub(super) fn new(lo: &[f32], hi: &[f32]) -> Grid {
+    /// The grid of coordinates whose tables' values lie in `[lo_j, hi_j]`, with `outliers`
+    /// (position in the block's `n x d` values, value) besides (all finite, `d` even).
+    pub(super) fn new(lo: &[f32], hi: &[f32], outliers: &[(usize, f32)]) -> Grid {
+        let d = lo.len();
+        let (mut lo, mut hi) = (lo.to_vec(), hi.to_vec());
+        let one_value: Vec<bool> = lo.iter().zip(&hi).map(|(a, b)| a == b).collect();
+        let mut sparse = Vec::new();
+        for &(pos, v) in outliers {
+            let j = pos % d;
+            if one_value[j] {
+                sparse.push((pos / d, j, v));
+            } else {
+                (lo[j], hi[j]) = (lo[j].min(v), hi[j].max(v));
+            }
+        }
         let centre: Vec<f32> = lo
             .iter()
-            .zip(hi)
+            .zip(&hi)
             .map(|(&a, &b)| if a == b { a } else { 0.5 * a + 0.5 * b })
             .collect();
-        let spread: Vec<f32> = (lo.iter().zip(hi).zip(&centre))
+        let spread: Vec<f32> = (lo.iter().zip(&hi).zip(&centre))
             .map(|((&a, &b), &c)| (b - c).max(c - a))
             .collect();
         let active: Vec<usize> = (0..lo.len() / 2)
@@ -272,13 +293,39 @@ impl Grid {
             .iter()
             .map(|&s| if s > 0.0 { rf / s } else { 0.0 })
             .collect();
+        for (_, j, v) in &mut sparse {
+            *v -= centre[*j];
+        }
         Grid {
             centre,
             spread,
             inv,
             active,
+            sparse,
             r,
         }
+    }
+
+    /// Adds the outliers the levels leave out (`out` holds `y_t M` of `n x d` from levels):
+    /// their differences to the centre times their frame rows, fused, in order.
+    #[inline(always)]
+    fn correct(&self, d: usize, m: &[f32], out: &mut [f32]) {
+        for &(t, j, v) in &self.sparse {
+            super::axpy::<true>(v, &m[j * d..][..d], &mut out[t * d..][..d]);
+        }
+    }
+
+    #[cfg(test)]
+    /// The outliers the levels leave out, added to a product of [`Grid::reference`] (the
+    /// same fused steps as [`product_levels`], one value at a time).
+    pub(super) fn correct_reference(&self, d: usize, m: &[f32], out: &mut [f32]) {
+        self.correct(d, m, out);
+    }
+
+    #[cfg(test)]
+    /// How many outliers the levels leave out.
+    pub(super) fn sparse(&self) -> usize {
+        self.sparse.len()
     }
 
     /// Coordinate `j`'s `values` as their levels, integers within `+-R` (as floats), in
@@ -320,17 +367,24 @@ fn round_even(x: f32) -> f32 {
 
 /// `out[t] = y_t M` for a block decoded as `grid`'s levels (`levels` is `n x d`, each
 /// [`Grid::level`] of the block's value): [`product`]'s tiles and bits for the levels it
-/// would have made with this grid's centres and spreads.
+/// would have made with this grid's centres and spreads, then the outliers the levels leave
+/// out. `out` is cleared and holds the `n x d` products after: the tiles write every value,
+/// so its memory is not zeroed first (that was 2-3% of an 8k step's samples, 45th session).
 ///
 /// Panics unless [`available`] and [`fits`]`(d)` hold and the lengths match.
-pub(super) fn product_levels(levels: &[f32], grid: &Grid, d: usize, m: &[f32], out: &mut [f32]) {
+pub(super) fn product_levels(levels: &[f32], grid: &Grid, d: usize, m: &[f32], out: &mut Vec<f32>) {
     let isa = isa().expect("int16 products need AVX2 and FMA");
     assert!(fits(d) && grid.centre.len() == d);
-    assert!(levels.len().is_multiple_of(d) && out.len() == levels.len() && m.len() == d * d);
+    assert!(levels.len().is_multiple_of(d) && m.len() == d * d);
+    let len = levels.len();
+    out.clear();
+    out.reserve(len);
     #[cfg(target_arch = "x86_64")]
     BUFFERS.with_borrow_mut(|(ys, ms)| {
         #[allow(unsafe_code)]
         // SAFETY: `isa()` found AVX2 and FMA (and the rest of `isa`'s); shapes asserted above.
+        // The tiles write each of `out`'s first `len` values (whole tiles, then tokens alone,
+        // over every column), so they are initialised when the length is set.
         unsafe {
             x86::pack_levels(levels, d, ys);
             let rf = grid.r as f32;
@@ -340,7 +394,9 @@ pub(super) fn product_levels(levels: &[f32], grid: &Grid, d: usize, m: &[f32], o
                 active: grid.active.clone(),
                 fixed: x86::centre_product(&grid.centre, d, m),
             };
-            x86::tiles(isa, &block, ys, ms, d, out);
+            x86::tiles(isa, &block, ys, ms, d, &mut out.spare_capacity_mut()[..len]);
+            out.set_len(len);
+            x86::correct(grid, d, m, out);
         }
     });
 }
@@ -348,8 +404,9 @@ pub(super) fn product_levels(levels: &[f32], grid: &Grid, d: usize, m: &[f32], o
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_code)]
 mod x86 {
-    use super::{level, split_pairs, Isa};
+    use super::{level, split_pairs, Grid, Isa};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
 
     /// A block's integer form beside the pairs in the thread's buffers: the active pairs, the
     /// centre's product `c M` and each column's scale `b_c`.
@@ -416,6 +473,15 @@ mod x86 {
             fixed,
             col_scale,
         }
+    }
+
+    /// [`Grid::correct`] with fused multiply-adds in 8-lane AVX2.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn correct(grid: &Grid, d: usize, m: &[f32], out: &mut [f32]) {
+        grid.correct(d, m, out);
     }
 
     /// [`super::centre_product`] in 8-lane AVX2.
@@ -590,7 +656,7 @@ mod x86 {
         ys: &[u32],
         ms: &[u32],
         d: usize,
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
     ) {
         let (rows, wide) = match isa {
             Isa::Vnni512 => (TILE_VNNI, 32),
@@ -598,7 +664,7 @@ mod x86 {
         };
         let (active, half, n) = (&block.active[..], d / 2, out.len() / d);
         // One tile of `r` tokens (`rows` or 1) and `cols`' width; `ys` and `o` from its first.
-        let tile = |r: usize, cols: &Columns<'_>, ys: &[u32], o: &mut [f32]| {
+        let tile = |r: usize, cols: &Columns<'_>, ys: &[u32], o: &mut [MaybeUninit<f32>]| {
             // SAFETY: the caller's features; the shapes are this loop's.
             unsafe {
                 match (isa, r, cols.fixed.len()) {
@@ -654,7 +720,7 @@ mod x86 {
         cols: &Columns<'_>,
         ys: &[u32],
         half: usize,
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
     ) {
         // SAFETY: the caller's; this function's features inline `Vnni512`'s intrinsics.
         unsafe { tile::<Vnni512, R, W>(active, cols, ys, half, out) }
@@ -670,7 +736,7 @@ mod x86 {
         cols: &Columns<'_>,
         ys: &[u32],
         half: usize,
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
     ) {
         // SAFETY: the caller's; this function's features inline `Avx2`'s intrinsics.
         unsafe { tile::<Avx2, R, W>(active, cols, ys, half, out) }
@@ -769,7 +835,7 @@ mod x86 {
         cols: &Columns<'_>,
         ys: &[u32],
         half: usize,
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
     ) {
         let (d, width) = (cols.d, L::LANES * W);
         assert!(ys.len() >= R * half && out.len() >= (R - 1) * d + width);
@@ -795,7 +861,7 @@ mod x86 {
             for (r, a) in acc.iter().enumerate() {
                 unsafe {
                     let (s, f) = (cols.scale.as_ptr().add(at), cols.fixed.as_ptr().add(at));
-                    L::finish(a[w], s, f, out.as_mut_ptr().add(r * d + at));
+                    L::finish(a[w], s, f, out.as_mut_ptr().add(r * d + at).cast());
                 }
             }
         }

@@ -244,9 +244,10 @@ pub fn decode_into(
     decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)
 }
 
-/// [`decode_into`] with each value mapped as it is written: `choose(lo, hi)` gets each
-/// component's smallest and largest value the block can decode to (its table's, every code
-/// of its width, and its outliers'), then `map(&chosen, j, values)` rewrites component `j`'s
+/// [`decode_into`] with each value mapped as it is written: `choose(lo, hi, outliers)` gets
+/// each component's smallest and largest table value (every code of its width) and the
+/// block's outliers (position in the `n x d_eff` output, value): every value the block can
+/// decode to. Then `map(&chosen, j, values)` rewrites component `j`'s
 /// values in place (its table, then each outlier alone) before any vector is decoded. So the
 /// rows cost what they cost unmapped. Every mapped value must be finite (checked: an
 /// `Error::Format` otherwise). Returns what `choose` chose.
@@ -257,7 +258,7 @@ pub fn decode_mapped<C>(
     d_eff: usize,
     metric: Metric,
     mean: Option<&[f32]>,
-    choose: impl FnOnce(&[f32], &[f32]) -> C,
+    choose: impl FnOnce(&[f32], &[f32], &[(usize, f32)]) -> C,
     map: impl Fn(&C, usize, &mut [f32]),
     out: &mut [f32],
 ) -> Result<C> {
@@ -274,12 +275,9 @@ pub fn decode_mapped<C>(
         let (a, b) = (t[0], t[t.len() - 1]);
         (a.min(b), a.max(b))
     };
-    let (mut lo, mut hi): (Vec<f32>, Vec<f32>) = (0..d_eff).map(ends).unzip();
-    for &(pos, ref v) in &outliers {
-        let j = pos % d_eff;
-        (lo[j], hi[j]) = (lo[j].min(v[0]), hi[j].max(v[0]));
-    }
-    let chosen = choose(&lo, &hi);
+    let (lo, hi): (Vec<f32>, Vec<f32>) = (0..d_eff).map(ends).unzip();
+    let stored: Vec<(usize, f32)> = outliers.iter().map(|&(pos, [v])| (pos, v)).collect();
+    let chosen = choose(&lo, &hi, &stored);
     for j in 0..d_eff {
         let t = table(j);
         map(&chosen, j, &mut values[t]);
@@ -556,7 +554,13 @@ mod tests {
             let f = |j: usize, v: f32| 0.5 * v - j as f32;
             let (lo, hi) = decode_mapped(
                 &body, n, d, metric, mean,
-                |lo, hi| (lo.to_vec(), hi.to_vec()),
+                |lo, hi, outliers| {
+                    let (mut lo, mut hi) = (lo.to_vec(), hi.to_vec());
+                    for &(pos, v) in outliers {
+                        (lo[pos % d], hi[pos % d]) = (lo[pos % d].min(v), hi[pos % d].max(v));
+                    }
+                    (lo, hi)
+                },
                 |_, j, vs| vs.iter_mut().for_each(|v| *v = f(j, *v)),
                 &mut out,
             ).unwrap();
@@ -662,7 +666,7 @@ mod tests {
                 vs[0] = f32::NAN;
             }
         };
-        let nothing = |_: &[f32], _: &[f32]| ();
+        let nothing = |_: &[f32], _: &[f32], _: &[(usize, f32)]| ();
         let e = decode_mapped(&body, 6, 3, Metric::Mse, None, nothing, nan_at_2, &mut out);
         let e = e.unwrap_err();
         assert!(e.is_format_error());
