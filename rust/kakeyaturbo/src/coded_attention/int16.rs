@@ -261,16 +261,16 @@ pub(super) struct Grid {
 }
 
 impl Grid {
-    /// The grid of coordinates whose tables' values lie in `[lo_j, hi_j]`, with `outliers`
-    /// (position in the block's `n x d` values, value) besides (all finite, `d` even).
-    pub(super) fn new(lo: &[f32], hi: &[f32], outliers: &[(usize, f32)]) -> Grid {
-        let d = lo.len();
-        let (mut lo, mut hi) = (lo.to_vec(), hi.to_vec());
-        let one_value: Vec<bool> = lo.iter().zip(&hi).map(|(a, b)| a == b).collect();
+    /// The grid of coordinates whose tables' values lie in `[table_lo_j, table_hi_j]`, with
+    /// `outliers` (position in the block's `n x d` values, value) besides (all finite, `d`
+    /// even).
+    pub(super) fn new(table_lo: &[f32], table_hi: &[f32], outliers: &[(usize, f32)]) -> Grid {
+        let d = table_lo.len();
+        let (mut lo, mut hi) = (table_lo.to_vec(), table_hi.to_vec());
         let mut sparse = Vec::new();
         for &(pos, v) in outliers {
             let j = pos % d;
-            if one_value[j] {
+            if table_lo[j] == table_hi[j] {
                 sparse.push((pos / d, j, v));
             } else {
                 (lo[j], hi[j]) = (lo[j].min(v), hi[j].max(v));
@@ -307,19 +307,14 @@ impl Grid {
     }
 
     /// Adds the outliers the levels leave out (`out` holds `y_t M` of `n x d` from levels):
-    /// their differences to the centre times their frame rows, fused, in order.
+    /// their differences to the centre times their frame rows, fused, in order. Called
+    /// outside [`x86::correct`] it is the tests' reference: the same fused steps, one value
+    /// at a time.
     #[inline(always)]
-    fn correct(&self, d: usize, m: &[f32], out: &mut [f32]) {
+    pub(super) fn correct(&self, d: usize, m: &[f32], out: &mut [f32]) {
         for &(t, j, v) in &self.sparse {
             super::axpy::<true>(v, &m[j * d..][..d], &mut out[t * d..][..d]);
         }
-    }
-
-    #[cfg(test)]
-    /// The outliers the levels leave out, added to a product of [`Grid::reference`] (the
-    /// same fused steps as [`product_levels`], one value at a time).
-    pub(super) fn correct_reference(&self, d: usize, m: &[f32], out: &mut [f32]) {
-        self.correct(d, m, out);
     }
 
     #[cfg(test)]

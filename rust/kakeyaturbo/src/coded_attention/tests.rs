@@ -583,7 +583,7 @@ fn int16_levels_decoded_from_codes_are_their_grids_reference_bit_for_bit() {
         int16::product_levels(&levels, &grid, d, &m, &mut out);
         let mut reference = vec![0.0f32; n * d];
         int16::product_scalar(&grid.reference(&y, d, &m), d, &mut reference);
-        grid.correct_reference(d, &m, &mut reference);
+        grid.correct(d, &m, &mut reference);
         assert_eq!(
             out, reference,
             "d={d} n={n}: the product is its reference's"

@@ -276,16 +276,15 @@ pub fn decode_mapped<C>(
         (a.min(b), a.max(b))
     };
     let (lo, hi): (Vec<f32>, Vec<f32>) = (0..d_eff).map(ends).unzip();
-    let stored: Vec<(usize, f32)> = outliers.iter().map(|&(pos, [v])| (pos, v)).collect();
-    let chosen = choose(&lo, &hi, &stored);
+    let chosen = choose(&lo, &hi, &outliers);
     for j in 0..d_eff {
         let t = table(j);
         map(&chosen, j, &mut values[t]);
     }
     for (pos, v) in &mut outliers {
-        map(&chosen, *pos % d_eff, &mut v[..]);
+        map(&chosen, *pos % d_eff, std::slice::from_mut(v));
     }
-    if !all_finite(&values) || !outliers.iter().all(|(_, [v])| v.is_finite()) {
+    if !all_finite(&values) || !outliers.iter().all(|(_, v)| v.is_finite()) {
         return Err(not_finite());
     }
     decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)?;
@@ -315,20 +314,19 @@ fn check_shape(b: &WaterfillCodes<'_>, d_eff: usize, mean: Option<&[f32]>) -> Re
     Ok(())
 }
 
-/// Each outlier's position and value, `fold(j, stored value s_j)` (a one-value array, as
-/// [`decode_mapped`]'s `map` takes it), checked finite.
+/// Each outlier's position and value, `fold(j, stored value s_j)`, checked finite.
 fn outlier_values(
     b: &WaterfillCodes<'_>,
     d_eff: usize,
     fold: impl Fn(usize, f32) -> f32,
-) -> Result<Vec<(usize, [f32; 1])>> {
+) -> Result<Vec<(usize, f32)>> {
     b.outliers
         .iter()
         .map(|&(pos, val)| {
             let (pos, j) = (pos as usize, pos as usize % d_eff);
             let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
             if v.is_finite() {
-                Ok((pos, [v]))
+                Ok((pos, v))
             } else {
                 Err(not_finite())
             }
@@ -343,7 +341,7 @@ fn decode_tables(
     n: usize,
     d_eff: usize,
     (values, offsets): (&[f32], &[usize]),
-    outliers: &[(usize, [f32; 1])],
+    outliers: &[(usize, f32)],
     out: &mut [f32],
 ) -> Result<()> {
     if out.len() != n * d_eff {
@@ -366,7 +364,7 @@ fn decode_tables(
         let prog = Program::new(&b.comp_bits, joint, values, offsets);
         prog.run_rows(b.codes, n, d_eff, out)?;
     }
-    for &(pos, [v]) in outliers {
+    for &(pos, v) in outliers {
         match out.get_mut(pos) {
             Some(o) => *o = v,
             None => return Err(Error::Format("outlier position out of range".into())),
