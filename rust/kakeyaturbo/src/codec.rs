@@ -25,7 +25,8 @@ use half::f16;
 use crate::basis::{BasisRef, ExternalBasis};
 use crate::error::{Error, Result};
 use crate::format::{
-    check_decode_size, read_layer, write_layer, ParsedBlock, ParsedBody, ParsedLayer,
+    check_decode_size, read_held_layer, read_layer, write_layer, ParsedBlock, ParsedBody,
+    ParsedLayer,
 };
 use crate::parallel;
 use crate::params::{Allocation, CodecParams, InputDtype, MAX_HEAD_DIM, MAX_MAGNITUDE};
@@ -430,7 +431,7 @@ pub fn decode_layer_into(
     out: &mut [f32],
 ) -> Result<()> {
     check_output(enc, out)?;
-    decode_parsed(&read_layer(enc.as_bytes())?, external, out)
+    decode_parsed(&read_held_layer(enc.as_bytes())?, external, out)
 }
 
 /// [`decode_layer_into`] without an external basis, with a layer of one water-filled block
@@ -445,7 +446,7 @@ pub fn decode_layer_mapped<C>(
 ) -> Result<Option<C>> {
     check_output(enc, out)?;
     let (n, d) = enc.shape();
-    let parsed = read_layer(enc.as_bytes())?;
+    let parsed = read_held_layer(enc.as_bytes())?;
     let own = parsed.shared.is_none() && parsed.external.is_none();
     if let [b] = &parsed.blocks[..] {
         if let ParsedBody::Waterfill(w) = &b.body {

@@ -154,39 +154,54 @@ impl<'a> CodedStreams<'a> {
         self.offsets.len() - 1
     }
 
-    /// Runs `f(stream, block, decoded block, its first token)` on every block in parallel,
-    /// each block decoded into a per-thread scratch buffer; results in (stream, block) order.
-    fn map_blocks<R: Send>(
+    /// Runs `f(stream, block, decoded block, its first token, out)` on every block in
+    /// parallel, each block decoded into a per-thread scratch buffer and writing its own
+    /// `out` of `parts` (one per block, in (stream, block) order).
+    fn map_blocks(
         &self,
-        f: impl Fn(usize, usize, &[f32], usize) -> Result<R> + Sync,
-    ) -> Result<Vec<R>> {
+        parts: Vec<&mut [f32]>,
+        f: impl Fn(usize, usize, &[f32], usize, &mut [f32]) -> Result<()> + Sync,
+    ) -> Result<()> {
         self.map_blocks_or(
+            parts,
             |_, _, _| None,
             |i, scratch| self.decode(i, scratch).map(|()| None),
-            |s, b, y, _, t0| f(s, b, y, t0),
+            |s, b, y, _, t0, out| f(s, b, y, t0, out),
         )
     }
 
-    /// [`Self::map_blocks`], where `ready(stream, block, first token)` may give a block's
-    /// result without decoding it (keys prepared beforehand), and `decode(i, scratch)`
-    /// decodes block `i` and may return how (an int16 grid: [`Self::decode_keys`]).
-    fn map_blocks_or<R: Send>(
+    /// [`Self::map_blocks`], where `ready(stream, block, out)` may fill a block's part without
+    /// decoding it (keys prepared beforehand; Some with how that went), and
+    /// `decode(i, scratch)` decodes block `i` and may return how (an int16 grid:
+    /// [`Self::decode_keys`]).
+    fn map_blocks_or(
         &self,
-        ready: impl Fn(usize, usize, usize) -> Option<Result<R>> + Sync,
+        parts: Vec<&mut [f32]>,
+        ready: impl Fn(usize, usize, &mut [f32]) -> Option<Result<()>> + Sync,
         decode: impl Fn(usize, &mut Vec<f32>) -> Result<Option<int16::Grid>> + Sync,
-        f: impl Fn(usize, usize, &[f32], Option<&int16::Grid>, usize) -> Result<R> + Sync,
-    ) -> Result<Vec<R>> {
+        f: impl Fn(usize, usize, &[f32], Option<&int16::Grid>, usize, &mut [f32]) -> Result<()> + Sync,
+    ) -> Result<()> {
+        assert_eq!(parts.len(), self.encs.len(), "one part per block");
         let nb = self.blocks();
-        parallel::map_init(self.encs.len(), Vec::new, |scratch: &mut Vec<f32>, i| {
+        let done = parallel::map_init_parts(parts, Vec::new, |scratch: &mut Vec<f32>, i, out| {
             let (s, b) = (i / nb, i % nb);
-            if let Some(r) = ready(s, b, self.offsets[b]) {
+            if let Some(r) = ready(s, b, out) {
                 return r;
             }
             let grid = decode(i, scratch)?;
-            f(s, b, scratch, grid.as_ref(), self.offsets[b])
-        })
-        .into_iter()
-        .collect()
+            f(s, b, scratch, grid.as_ref(), self.offsets[b], out)
+        });
+        done.into_iter().collect()
+    }
+
+    /// Each block's part of a buffer of `per_token` values per token of every stream
+    /// (`[streams, tokens, per_token]`), in (stream, block) order: `out[i]` is block `i`'s
+    /// `[n_i, per_token]`.
+    fn token_parts<'o>(&self, buf: &'o mut [f32], per_token: usize) -> Vec<&'o mut [f32]> {
+        let nb = self.blocks();
+        let tokens = |b: usize| self.offsets[b + 1] - self.offsets[b];
+        let lens = (0..self.streams * nb).map(|i| per_token * tokens(i % nb));
+        parallel::split_parts(buf, lens)
     }
 
     /// Block `i` (stream-major) decoded into `scratch`.
@@ -422,35 +437,36 @@ pub(crate) fn logits_with(
     }
     let products = keys.products(d);
     let nb = coded.blocks();
-    let ready = |s: usize, b: usize, _t0: usize| {
+    // The queries' non-zero 8-channel chunks, once per row rather than once per block.
+    let chunks: Vec<Vec<usize>> = queries.chunks_exact(d).map(nonzero_chunks).collect();
+    let rows = |s: usize| (&queries[s * g * d..][..g * d], &chunks[s * g..][..g]);
+    let ready = |s: usize, b: usize, out: &mut [f32]| {
         let bk = prepared?.take(s * nb + b)?;
         if norms.is_some() && bk.lengths.len() != bk.tokens(d) {
             return None; // made without the lengths that norms need: made again here
         }
         Some((|| {
             let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
-            let mut out = vec![0.0f32; g * bk.tokens(d)];
-            let q = &queries[s * g * d..][..g * d];
-            run_prepared_logits((bk, d, nm.as_deref(), q, g), &mut out);
-            Ok(out)
+            run_prepared_logits((bk, d, nm.as_deref(), rows(s)), out);
+            Ok(())
         })())
     };
     let levels = keys.levels(&products, norms.is_none());
     let decode = |i: usize, scratch: &mut Vec<f32>| coded.decode_keys(i, scratch, levels);
-    let parts = coded.map_blocks_or(ready, decode, |s, b, y, grid, _t0| {
-        let n = y.len() / d;
+    // Each block's `[g, n]` logits, block after block, then rearranged into `[s, g, t]`.
+    let mut parts = vec![0.0f32; s_n * g * t_n];
+    let blocks = coded.token_parts(&mut parts, g);
+    coded.map_blocks_or(blocks, ready, decode, |s, b, y, grid, _t0, out| {
         let (m, product, rot) = keys.block(coded, &products, s, b);
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
-        let q = &queries[s * g * d..][..g * d];
-        let mut out = vec![0.0f32; g * n];
         let y = Coords::of(y, grid);
-        run_block_logits((y, d, m, product, rot, nm.as_deref(), q, g), &mut out);
-        Ok(out)
+        run_block_logits((y, d, m, product, rot, nm.as_deref(), rows(s)), out);
+        Ok(())
     })?;
     let mut logits = vec![0.0f32; s_n * g * t_n];
-    for (i, part) in parts.iter().enumerate() {
+    for (i, part) in coded.token_parts(&mut parts, g).into_iter().enumerate() {
         let (s, b) = (i / nb, i % nb);
-        let (t0, n) = (coded.offsets[b], coded.offsets[b + 1] - coded.offsets[b]);
+        let (t0, n) = (coded.offsets[b], part.len() / g.max(1));
         for j in 0..g {
             logits[(s * g + j) * t_n + t0..][..n].copy_from_slice(&part[j * n..][..n]);
         }
@@ -477,17 +493,22 @@ pub fn value_sums(
     if let Some(nm) = norms {
         nm.check(coded)?;
     }
-    let parts = coded.map_blocks(|s, b, y, t0| {
+    if g * d == 0 {
+        return Ok(Vec::new());
+    }
+    // Each block's `[g, d]` sums (zeros on entry), block after block.
+    let mut parts = vec![0.0f32; coded.encs.len() * g * d];
+    let blocks = parallel::split_parts(&mut parts, coded.encs.iter().map(|_| g * d));
+    coded.map_blocks(blocks, |s, b, y, t0, out| {
         let w = &weights[s * g * t_n..][..g * t_n];
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
-        let mut out = vec![0.0f32; g * d];
-        run_block_sums((y, d, w, t_n, t0, nm.as_deref(), g), &mut out);
-        Ok(out)
+        run_block_sums((y, d, w, t_n, t0, nm.as_deref(), g), out);
+        Ok(())
     })?;
     // Blocks add up in token order, so the result does not depend on the thread count.
     let nb = coded.blocks();
     let mut sums = vec![0.0f32; s_n * g * d];
-    for (i, part) in parts.iter().enumerate() {
+    for (i, part) in parts.chunks_exact(g * d).enumerate() {
         let acc = &mut sums[(i / nb) * g * d..][..g * d];
         acc.iter_mut().zip(part).for_each(|(a, p)| *a += p);
     }
@@ -804,8 +825,7 @@ impl<'a> Coords<'a> {
     }
 }
 
-/// `(decoded block, head dim, frame, how its product runs, angles, norms, queries,
-/// query rows)`.
+/// `(decoded block, head dim, frame, how its product runs, angles, norms, query rows)`.
 type LogitArgs<'a> = (
     Coords<'a>,
     usize,
@@ -813,9 +833,11 @@ type LogitArgs<'a> = (
     Product<'a>,
     Option<BlockAngles<'a>>,
     Option<&'a [f32]>,
-    &'a [f32],
-    usize,
+    Rows<'a>,
 );
+
+/// `g` query rows `[g, d]` and each one's [`nonzero_chunks`].
+type Rows<'a> = (&'a [f32], &'a [Vec<usize>]);
 
 /// `(decoded block, head dim, weights, tokens, first token, norms, query rows)`.
 type SumArgs<'a> = (
@@ -845,19 +867,22 @@ thread_local! {
     /// (192 KB for 256 tokens across three heads) was an allocation the size of an `mmap`,
     /// page faults and zeroing, about a tenth of a decode step's cycles.
     static KEYS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A block's token scales and a tile's weights in [`block_sums`].
+    static SCALES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// [`block_logits`] with `buf` to hold the keys.
 #[inline(always)]
 fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &mut Vec<f32>) {
-    let (y, d, m, product, rot, norms, q, g) = args;
-    let n = y.len() / d;
+    let (y, d, m, product, rot, norms, (q, chunks)) = args;
+    let (n, g) = (y.len() / d, chunks.len());
     let keys: &[f32] = match block_keys::<FMA>(y, d, m, product, rot, buf) {
         true => &buf[..y.len()],
         false => y.values(),
     };
-    for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
-        dots::<FMA>(qj, keys, o);
+    for ((qj, cj), o) in q.chunks_exact(d).zip(chunks).zip(out.chunks_exact_mut(n)) {
+        dots::<FMA>(qj, cj, keys, o);
     }
     if norms.is_some() {
         for (t, yt) in y.values().chunks_exact(d).enumerate() {
@@ -946,16 +971,16 @@ fn prepare_block<const FMA: bool>(args: KeyArgs<'_>, out: &mut BlockKeys) {
     };
 }
 
-/// `(prepared keys, head dim, norms, queries, query rows)`.
-type PreparedArgs<'a> = (&'a BlockKeys, usize, Option<&'a [f32]>, &'a [f32], usize);
+/// `(prepared keys, head dim, norms, query rows)`.
+type PreparedArgs<'a> = (&'a BlockKeys, usize, Option<&'a [f32]>, Rows<'a>);
 
 /// [`block_logits`] of a block whose keys were prepared: the same dots and scales.
 #[inline(always)]
 fn prepared_logits<const FMA: bool>(args: PreparedArgs<'_>, out: &mut [f32]) {
-    let (bk, d, norms, q, g) = args;
-    let n = bk.tokens(d);
-    for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(g) {
-        dots::<FMA>(qj, &bk.keys, o);
+    let (bk, d, norms, (q, chunks)) = args;
+    let (n, g) = (bk.tokens(d), chunks.len());
+    for ((qj, cj), o) in q.chunks_exact(d).zip(chunks).zip(out.chunks_exact_mut(n)) {
+        dots::<FMA>(qj, cj, &bk.keys, o);
     }
     if let Some(nm) = norms {
         for (t, &len) in bk.lengths.iter().enumerate() {
@@ -967,23 +992,31 @@ fn prepared_logits<const FMA: bool>(args: PreparedArgs<'_>, out: &mut [f32]) {
     }
 }
 
-/// `out[t] = q . keys[t]` for every row of `keys` (`out.len() x q.len()`).
+/// The first channels of the 8-channel chunks where `q` is not zero (none unless its length
+/// is a multiple of 8): a wide query of streams coded across heads is zero outside its own
+/// head's channels (two thirds of them with three heads), which [`dots`] skips.
+fn nonzero_chunks(q: &[f32]) -> Vec<usize> {
+    if !q.len().is_multiple_of(8) {
+        return Vec::new();
+    }
+    (0..q.len())
+        .step_by(8)
+        .filter(|&c| q[c..c + 8].iter().any(|&x| x != 0.0))
+        .collect()
+}
+
+/// `out[t] = q . keys[t]` for every row of `keys` (`out.len() x q.len()`); `chunks` are `q`'s
+/// [`nonzero_chunks`].
 #[inline(always)]
-fn dots<const FMA: bool>(q: &[f32], keys: &[f32], out: &mut [f32]) {
+fn dots<const FMA: bool>(q: &[f32], chunks: &[usize], keys: &[f32], out: &mut [f32]) {
     let d = q.len();
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if FMA && d.is_multiple_of(8) {
-        // The 8-channel chunks where `q` is not zero: a wide query of streams coded across
-        // heads is zero outside its own head's channels (two thirds of them with three heads).
-        let chunks: Vec<usize> = (0..d)
-            .step_by(8)
-            .filter(|&c| q[c..c + 8].iter().any(|&x| x != 0.0))
-            .collect();
         for (k8, o8) in keys.chunks_exact(8 * d).zip(out.chunks_exact_mut(8)) {
             #[allow(unsafe_code)]
             // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`).
-            let sums = unsafe { dots8_avx_fma(q, k8, &chunks) };
+            let sums = unsafe { dots8_avx_fma(q, k8, chunks) };
             o8.copy_from_slice(&sums);
             done += 8;
         }
@@ -1010,27 +1043,28 @@ const TILE_ROWS: usize = 12;
 fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
     let (y, d, w, t_n, t0, norms, g) = args;
     let n = y.len() / d;
-    let scales: Vec<f32> = match norms {
-        Some(_) => (0..n)
-            .map(|t| token_scale::<FMA>(norms, t, &y[t * d..][..d]))
-            .collect(),
-        None => Vec::new(),
-    };
+    // Taken and put back, as `block_logits` does its keys: a tile's weights (9 KB for 9 rows
+    // of 256 tokens) were an allocation per block above glibc's per-thread cache.
+    let (mut scales, mut wt) = (SCALES.take(), WEIGHTS.take());
+    scales.clear();
+    if norms.is_some() {
+        scales.extend((0..n).map(|t| token_scale::<FMA>(norms, t, &y[t * d..][..d])));
+    }
     // Each tile's weights with the token scales in, token-major: `[n, R]`.
-    let weights = |rows: std::ops::Range<usize>| -> Vec<f32> {
-        (0..n)
-            .flat_map(|t| {
-                let scale = scales.get(t).copied().unwrap_or(1.0);
-                rows.clone().map(move |j| w[j * t_n + t0 + t] * scale)
-            })
-            .collect()
+    let weights = |rows: std::ops::Range<usize>, wt: &mut Vec<f32>| {
+        wt.clear();
+        for t in 0..n {
+            let scale = scales.get(t).copied().unwrap_or(1.0);
+            wt.extend(rows.clone().map(|j| w[j * t_n + t0 + t] * scale));
+        }
     };
     // Equal tiles (within a row) of at most TILE_ROWS rows.
     let tiles = g.div_ceil(TILE_ROWS);
     let mut j0 = 0;
     for i in 0..tiles {
         let j1 = g * (i + 1) / tiles;
-        let (wt, o) = (weights(j0..j1), &mut out[j0 * d..j1 * d]);
+        weights(j0..j1, &mut wt);
+        let o = &mut out[j0 * d..j1 * d];
         // Columns wide enough to keep 6-12 independent sums in flight.
         match j1 - j0 {
             1 => sums_tile::<1, 64, FMA>(y, &wt, o),
@@ -1048,6 +1082,8 @@ fn block_sums<const FMA: bool>(args: SumArgs<'_>, out: &mut [f32]) {
         }
         j0 = j1;
     }
+    SCALES.set(scales);
+    WEIGHTS.set(wt);
 }
 
 /// `out[r] = sum_t wt[t, r] y_t` for `R` rows (`wt` is `[n, R]`, `out` `R x d`), in column

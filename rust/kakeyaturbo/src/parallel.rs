@@ -145,26 +145,52 @@ pub fn map_chunks<T: Send, R: Send>(
     f: impl Fn(usize, &mut [T]) -> R + Sync + Send,
 ) -> Vec<R> {
     assert!(chunk > 0, "chunks of zero items");
+    map_init_parts(data.chunks_mut(chunk).collect(), || (), |_, i, c| f(i, c))
+}
+
+/// `[f(state, i, part) for the i-th of parts]`, in order, with a `state` from `init` per
+/// thread (as [`map_init`]): the parts of one buffer that tasks fill, where a vector of its
+/// own per task would be an allocation per task.
+pub fn map_init_parts<T: Send, S: Send, R: Send>(
+    parts: Vec<&mut [T]>,
+    init: impl Fn() -> S + Sync + Send,
+    f: impl Fn(&mut S, usize, &mut [T]) -> R + Sync + Send,
+) -> Vec<R> {
     match runner() {
-        Runner::Rayon => data
-            .par_chunks_mut(chunk)
+        Runner::Rayon => parts
+            .into_par_iter()
             .enumerate()
-            .map(|(i, c)| f(i, c))
+            .map_init(init, |s, (i, p)| f(s, i, p))
             .collect(),
-        Runner::Here => data
-            .chunks_mut(chunk)
-            .enumerate()
-            .map(|(i, c)| f(i, c))
-            .collect(),
+        Runner::Here => {
+            let mut s = init();
+            parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| f(&mut s, i, p))
+                .collect()
+        }
         Runner::Team(_) => {
-            // One lock per chunk, each taken by one task only: a way to hand the chunks out.
-            let chunks: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk).map(Mutex::new).collect();
-            map(chunks.len(), |i| {
-                let mut c = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
-                f(i, &mut c)
+            // One lock per part, each taken by one task only: a way to hand the parts out.
+            let parts: Vec<Mutex<&mut [T]>> = parts.into_iter().map(Mutex::new).collect();
+            map_init(parts.len(), init, |s, i| {
+                let mut p = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+                f(s, i, &mut p)
             })
         }
     }
+}
+
+/// `data` cut into consecutive parts of `lens` items (which must add up to at most its
+/// length).
+pub fn split_parts<T>(mut data: &mut [T], lens: impl IntoIterator<Item = usize>) -> Vec<&mut [T]> {
+    lens.into_iter()
+        .map(|n| {
+            let (part, rest) = std::mem::take(&mut data).split_at_mut(n);
+            data = rest;
+            part
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -267,6 +293,30 @@ mod tests {
             };
             assert_eq!(v, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
             assert_eq!(lens, [4, 4, 2]);
+        }
+    }
+
+    #[test]
+    fn parts_of_any_lengths_are_filled_in_order_by_every_runner() {
+        let teams: [Option<&'static dyn Team>; 3] = [None, Some(&THREE), Some(&ONE)];
+        for team in teams {
+            let fill = || {
+                let mut v = vec![0usize; 12];
+                let parts = split_parts(&mut v, [3, 0, 5, 2]);
+                let lens = map_init_parts(parts, Vec::new, |seen: &mut Vec<usize>, i, p| {
+                    seen.push(i);
+                    p.iter_mut().for_each(|x| *x = i + 1);
+                    p.len()
+                });
+                (v, lens)
+            };
+            let (v, lens) = match team {
+                Some(t) => with_team(t, fill),
+                None => fill(),
+            };
+            // The last two items were in no part.
+            assert_eq!(v, [1, 1, 1, 3, 3, 3, 3, 3, 4, 4, 0, 0]);
+            assert_eq!(lens, [3, 0, 5, 2]);
         }
     }
 }

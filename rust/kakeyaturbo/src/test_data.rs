@@ -1,7 +1,9 @@
 //! Inputs and helpers shared by the unit tests of several stages.
 
 use crate::basis::ExternalBasis;
-use crate::codec::{decode_layer, decode_layer_with, encode_layer, EncodedLayer};
+use crate::codec::{
+    decode_layer, decode_layer_into, decode_layer_with, encode_layer, EncodedLayer,
+};
 use crate::params::{Allocation, CodecParams, InputDtype};
 use crate::rng::SplitMix64;
 
@@ -92,9 +94,21 @@ pub(crate) fn assert_resealed_corruption_is_safe(
             }
         };
         let (n, d) = layer.shape();
-        if let Ok(y) = decode_layer_with(&layer, external) {
+        let y = decode_layer_with(&layer, external);
+        if let Ok(y) = &y {
             assert_eq!(y.len(), n * d);
             assert!(y.iter().all(|v| v.is_finite()));
+        }
+        // Decoding into a buffer parses the held bytes without their checksum: the same
+        // checks, so the same outcome and the same bits.
+        let mut into = vec![f32::NAN; n * d];
+        match (decode_layer_into(&layer, external, &mut into), &y) {
+            (Ok(()), Ok(y)) => assert!(into.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits())),
+            (Err(_), Err(_)) => {}
+            (a, b) => panic!(
+                "decode_layer_into {a:?}, decode_layer_with {:?}",
+                b.as_ref().map(|_| ())
+            ),
         }
     }
 }

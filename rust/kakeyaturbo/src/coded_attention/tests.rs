@@ -273,6 +273,7 @@ fn fused_and_separate_multiply_adds_agree() {
         .collect();
     let norms = [1.5f32; 7];
     let q = normals(g * d, 8);
+    let chunks: Vec<Vec<usize>> = q.chunks_exact(d).map(nonzero_chunks).collect();
     let args = (
         Coords::Values(&y[..]),
         d,
@@ -280,8 +281,7 @@ fn fused_and_separate_multiply_adds_agree() {
         Product::F32,
         Some((&rot[..], 20, 1)),
         Some(&norms[..]),
-        &q[..],
-        g,
+        (&q[..], &chunks[..]),
     );
     let (mut a, mut b) = (vec![0.0f32; g * 7], vec![0.0f32; g * 7]);
     run_block_logits(args, &mut a);

@@ -43,6 +43,7 @@ pub mod codes;
 mod reader;
 mod writer;
 
+pub(crate) use reader::read_held_layer;
 pub use reader::{read_layer, ParsedBlock, ParsedBody, ParsedLayer};
 pub use writer::write_layer;
 

@@ -29,6 +29,8 @@
 //! stream's length is checked against `n P`, a peek past its end reads zeros, and each
 //! component's values and each outlier are checked finite before use.
 
+use std::cell::RefCell;
+
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
@@ -239,9 +241,12 @@ pub fn decode_into(
 ) -> Result<()> {
     check_shape(b, d_eff, mean)?;
     let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
-    let (values, offsets) = component_values(b, metric, fold)?;
-    let outliers = outlier_values(b, d_eff, fold)?;
-    decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)
+    with_scratch(|s| {
+        component_values(b, metric, fold, &mut s.values, &mut s.offsets)?;
+        outlier_values(b, d_eff, fold, &mut s.outliers)?;
+        let tables = (&s.values[..], &s.offsets[..]);
+        decode_tables(b, n, d_eff, tables, &s.outliers, out, &mut s.rows)
+    })
 }
 
 /// [`decode_into`] with each value mapped as it is written: `choose(lo, hi, outliers)` gets
@@ -264,31 +269,104 @@ pub fn decode_mapped<C>(
 ) -> Result<C> {
     check_shape(b, d_eff, mean)?;
     let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
-    let (mut values, offsets) = component_values(b, metric, fold)?;
-    let mut outliers = outlier_values(b, d_eff, fold)?;
-    let total = values.len();
-    let table = |j: usize| offsets[j]..offsets.get(j + 1).copied().unwrap_or(total);
-    // A table is `m_j + l s_j g` over a codebook's ascending levels with `s_j >= 0` (the
-    // reader's bound), so it is monotone: its ends are its extremes.
-    let ends = |j: usize| {
-        let t = &values[table(j)];
-        let (a, b) = (t[0], t[t.len() - 1]);
-        (a.min(b), a.max(b))
-    };
-    let (lo, hi): (Vec<f32>, Vec<f32>) = (0..d_eff).map(ends).unzip();
-    let chosen = choose(&lo, &hi, &outliers);
-    for j in 0..d_eff {
-        let t = table(j);
-        map(&chosen, j, &mut values[t]);
+    with_scratch(|s| {
+        let Scratch {
+            values,
+            offsets,
+            outliers,
+            lo,
+            hi,
+            rows,
+        } = s;
+        component_values(b, metric, fold, values, offsets)?;
+        outlier_values(b, d_eff, fold, outliers)?;
+        let total = values.len();
+        let table = |j: usize| offsets[j]..offsets.get(j + 1).copied().unwrap_or(total);
+        // A table is `m_j + l s_j g` over a codebook's ascending levels with `s_j >= 0` (the
+        // reader's bound), so it is monotone: its ends are its extremes.
+        lo.clear();
+        hi.clear();
+        for j in 0..d_eff {
+            let t = &values[table(j)];
+            let (a, b) = (t[0], t[t.len() - 1]);
+            lo.push(a.min(b));
+            hi.push(a.max(b));
+        }
+        let chosen = choose(lo, hi, outliers);
+        for j in 0..d_eff {
+            let t = table(j);
+            map(&chosen, j, &mut values[t]);
+        }
+        for (pos, v) in outliers.iter_mut() {
+            map(&chosen, *pos % d_eff, std::slice::from_mut(v));
+        }
+        if !all_finite(values) || !outliers.iter().all(|(_, v)| v.is_finite()) {
+            return Err(not_finite());
+        }
+        decode_tables(b, n, d_eff, (values, offsets), outliers, out, rows)?;
+        Ok(chosen)
+    })
+}
+
+/// A thread's buffers for decoding a block, kept between blocks: fresh ones per block were
+/// several allocations above glibc's per-thread cache (a block's tables alone are about
+/// 12 KB), whose freed chunks `malloc` then sorted, most of the allocator's 6% of an 8k
+/// decode step (`docs/speed.md`, 47th session).
+#[derive(Default)]
+struct Scratch {
+    /// Every component's output per code ([`component_values`]), and where each starts.
+    values: Vec<f32>,
+    offsets: Vec<usize>,
+    /// The block's outliers ([`outlier_values`]).
+    outliers: Vec<(usize, f32)>,
+    /// Each component's extremes ([`decode_mapped`]).
+    lo: Vec<f32>,
+    hi: Vec<f32>,
+    rows: RowBuffers,
+}
+
+/// What [`decode_tables`] decodes the vectors with (the AVX2 decoder's: unused elsewhere).
+#[derive(Default)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct RowBuffers {
+    /// The last vectors' codes, zero-padded, and their rows ([`gather_rows`]).
+    tail: Vec<u8>,
+    rows: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    plan: gather::Plan,
+}
+
+/// A scratch kept past a block only while it is at most this many bytes (a hostile block's
+/// tables can take megabytes).
+const SCRATCH_KEPT: usize = 1 << 20;
+
+impl Scratch {
+    fn bytes(&self) -> usize {
+        let r = &self.rows;
+        4 * (self.values.capacity() + self.lo.capacity() + self.hi.capacity() + r.rows.capacity())
+            + 8 * self.offsets.capacity()
+            + 16 * self.outliers.capacity()
+            + r.tail.capacity()
     }
-    for (pos, v) in &mut outliers {
-        map(&chosen, *pos % d_eff, std::slice::from_mut(v));
-    }
-    if !all_finite(&values) || !outliers.iter().all(|(_, v)| v.is_finite()) {
-        return Err(not_finite());
-    }
-    decode_tables(b, n, d_eff, (&values, &offsets), &outliers, out)?;
-    Ok(chosen)
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::default();
+}
+
+/// `f` with this thread's [`Scratch`] (a fresh one where it is in use: `choose` or `map` of
+/// [`decode_mapped`] decoding another block).
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => {
+            let r = f(&mut s);
+            if s.bytes() > SCRATCH_KEPT {
+                *s = Scratch::default();
+            }
+            r
+        }
+        Err(_) => f(&mut Scratch::default()),
+    })
 }
 
 /// Whether every value is finite, with no exit per value (a block's tables hold thousands).
@@ -314,24 +392,23 @@ fn check_shape(b: &WaterfillCodes<'_>, d_eff: usize, mean: Option<&[f32]>) -> Re
     Ok(())
 }
 
-/// Each outlier's position and value, `fold(j, stored value s_j)`, checked finite.
+/// Each outlier's position and value, `fold(j, stored value s_j)`, checked finite, into `out`.
 fn outlier_values(
     b: &WaterfillCodes<'_>,
     d_eff: usize,
     fold: impl Fn(usize, f32) -> f32,
-) -> Result<Vec<(usize, f32)>> {
-    b.outliers
-        .iter()
-        .map(|&(pos, val)| {
-            let (pos, j) = (pos as usize, pos as usize % d_eff);
-            let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
-            if v.is_finite() {
-                Ok((pos, v))
-            } else {
-                Err(not_finite())
-            }
-        })
-        .collect()
+    out: &mut Vec<(usize, f32)>,
+) -> Result<()> {
+    out.clear();
+    for &(pos, val) in &b.outliers {
+        let (pos, j) = (pos as usize, pos as usize % d_eff);
+        let v = fold(j, val.to_f32() * b.sigma[j].to_f32());
+        if !v.is_finite() {
+            return Err(not_finite());
+        }
+        out.push((pos, v));
+    }
+    Ok(())
 }
 
 /// The block's vectors from its components' tables (`values` from `offsets[j]` on: one
@@ -343,6 +420,7 @@ fn decode_tables(
     (values, offsets): (&[f32], &[usize]),
     outliers: &[(usize, f32)],
     out: &mut [f32],
+    buffers: &mut RowBuffers,
 ) -> Result<()> {
     if out.len() != n * d_eff {
         return Err(Error::Format(
@@ -355,7 +433,7 @@ fn decode_tables(
             "water-filled code stream has the wrong length".into(),
         ));
     }
-    if !gather_rows(b, (n, per_vector), values, offsets, out) {
+    if !gather_rows(b, (n, per_vector), (values, offsets), out, buffers) {
         let joint = if n >= JOINT_MIN_VECTORS {
             JOINT_BITS
         } else {
@@ -374,16 +452,19 @@ fn decode_tables(
 }
 
 /// Per component, its output for each code, `fold(j, l s_j g)` (`fold(j, 0)` without bits),
-/// all in one array, and where each component's values start in it. Fails on a value that is
-/// not finite.
+/// all in `values`, and where each component's values start in it (`offsets`). Fails on a
+/// value that is not finite.
 fn component_values(
     b: &WaterfillCodes<'_>,
     metric: Metric,
     fold: impl Fn(usize, f32) -> f32,
-) -> Result<(Vec<f32>, Vec<usize>)> {
-    let mut offsets = Vec::with_capacity(b.comp_bits.len());
+    values: &mut Vec<f32>,
+    offsets: &mut Vec<usize>,
+) -> Result<()> {
+    values.clear();
+    offsets.clear();
     // Sized up front: grown level by level, it was reallocated several times per block.
-    let mut values = Vec::with_capacity(b.comp_bits.iter().map(|&v| 1usize << v).sum());
+    values.reserve(b.comp_bits.iter().map(|&v| 1usize << v).sum());
     for (j, (&bits, s)) in b.comp_bits.iter().zip(&b.sigma).enumerate() {
         offsets.push(values.len());
         if bits == 0 {
@@ -393,10 +474,10 @@ fn component_values(
             values.extend(book(bits).levels().iter().map(|&l| fold(j, l * s * g)));
         }
     }
-    if !all_finite(&values) {
+    if !all_finite(values) {
         return Err(not_finite());
     }
-    Ok((values, offsets))
+    Ok(())
 }
 
 /// Decodes the block's vectors (`(n, per_vector)`: its vectors and the bits of each) with the
@@ -405,13 +486,14 @@ fn component_values(
 fn gather_rows(
     b: &WaterfillCodes<'_>,
     (n, per_vector): (usize, usize),
-    values: &[f32],
-    offsets: &[usize],
+    (values, offsets): (&[f32], &[usize]),
     out: &mut [f32],
+    buffers: &mut RowBuffers,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
-        if let Some(plan) = gather::Plan::new(&b.comp_bits, values, offsets, n, per_vector) {
+        let RowBuffers { tail, rows, plan } = buffers;
+        if plan.build(&b.comp_bits, values, offsets, n, per_vector) {
             let d = b.comp_bits.len();
             let m = plan.vectors_within(b.codes.len(), n);
             // The last vectors, whose gathers would read past the stream, go from a zero-padded
@@ -419,8 +501,9 @@ fn gather_rows(
             // of 8 into a scratch of rows.
             let (rest, groups) = (n - m, (n - m).div_ceil(8) * 8);
             let codes = &b.codes[m * per_vector / 8..];
-            let mut tail = vec![0u8; codes.len().max((groups * per_vector).div_ceil(8) + 4)];
-            tail[..codes.len()].copy_from_slice(codes);
+            tail.clear();
+            tail.extend_from_slice(codes);
+            tail.resize(codes.len().max((groups * per_vector).div_ceil(8) + 4), 0);
             if plan.vectors_within(tail.len(), groups) != groups {
                 return false; // not reached: the padding covers every gather of the tail
             }
@@ -431,15 +514,15 @@ fn gather_rows(
             unsafe {
                 plan.rows(b.codes, values, m, out);
                 if rest > 0 {
-                    let mut rows = vec![0.0f32; groups * d];
-                    plan.rows(&tail, values, groups, &mut rows);
+                    rows.resize(groups * d, 0.0);
+                    plan.rows(tail, values, groups, rows);
                     out[m * d..].copy_from_slice(&rows[..rest * d]);
                 }
             }
             return true;
         }
     }
-    let _ = (b, n, per_vector, values, offsets, out);
+    let _ = (b, n, per_vector, values, offsets, out, buffers);
     false
 }
 
@@ -499,6 +582,17 @@ mod tests {
 
     /// Random codes of `n` vectors of widths `bits`, packed, and an outlier at about one
     /// position in `every`.
+    /// [`component_values`] into new vectors.
+    fn tables(
+        body: &WaterfillCodes<'_>,
+        metric: Metric,
+        fold: impl Fn(usize, f32) -> f32,
+    ) -> (Vec<f32>, Vec<usize>) {
+        let (mut values, mut offsets) = (Vec::new(), Vec::new());
+        component_values(body, metric, fold, &mut values, &mut offsets).unwrap();
+        (values, offsets)
+    }
+
     fn random_codes(
         g: &mut crate::rng::SplitMix64,
         bits: &[u8],
@@ -568,7 +662,7 @@ mod tests {
                 prop_assert!(lo[j] <= w && w <= hi[j], "value {} = {} outside [{}, {}]", i, w, lo[j], hi[j]);
             }
             let m = |j: usize| mean.map_or(0.0, |m| m[j]);
-            let (values, offsets) = component_values(&body, metric, |j, c| m(j) + c).unwrap();
+            let (values, offsets) = tables(&body, metric, |j, c| m(j) + c);
             for j in 0..d {
                 let end = offsets.get(j + 1).copied().unwrap_or(values.len());
                 let table = &values[offsets[j]..end];
@@ -613,11 +707,12 @@ mod tests {
                 .zip(&want)
                 .all(|(a, b)| a.to_bits() == b.to_bits()));
 
-            let (values, offsets) =
-                component_values(&body, Metric::Mse, |j, c| mean[j] + c).unwrap();
+            let (values, offsets) = tables(&body, Metric::Mse, |j, c| mean[j] + c);
             let per_vector = body.comp_bits.iter().map(|&b| b as usize).sum();
             let mut rows = vec![f32::NAN; n * d];
-            let took = gather_rows(&body, (n, per_vector), &values, &offsets, &mut rows);
+            let tables = (&values[..], &offsets[..]);
+            let buffers = &mut RowBuffers::default();
+            let took = gather_rows(&body, (n, per_vector), tables, &mut rows, buffers);
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2") {
                 assert!(

@@ -16,14 +16,16 @@
 //!
 //! Nothing is read out of bounds: a group of vectors goes through here only when its last
 //! gather ends within the code stream (the caller decodes the rest), and bit positions fit
-//! in 31 bits (checked by [`Plan::new`]).
+//! in 31 bits (checked by [`Plan::build`]).
 
 use std::arch::x86_64::*;
 
 /// Bits a gathered word holds past the largest in-byte shift (32 - 7).
 const WORD_BITS: u32 = 25;
 
-/// Per component: how its codes are read and turned into values.
+/// Per component: how its codes are read and turned into values. Rebuilt for each block in
+/// the same vectors ([`Plan::build`]), so that decoding a block allocates nothing.
+#[derive(Default)]
 pub(super) struct Plan {
     /// Bit offsets within a vector of the words gathered for each group of vectors.
     bases: Vec<u32>,
@@ -31,6 +33,8 @@ pub(super) struct Plan {
     /// 8-entry value tables of the components of up to 4 bits (two for 4 bits).
     tables: Vec<[f32; 8]>,
     per_vector: u32,
+    /// A group's gathered words and their in-byte shifts, one per base ([`Plan::rows`]).
+    words: Vec<[__m256i; 2]>,
 }
 
 #[derive(Clone, Copy)]
@@ -55,22 +59,31 @@ enum Kind {
 }
 
 impl Plan {
-    /// The plan of a block whose component `j` has `bits[j]` bits and its values (one per
-    /// code) at `values[offsets[j]..]`; None when `n` vectors of `per_vector` bits have bit
-    /// positions beyond `i32`.
-    pub(super) fn new(
+    /// Rebuilds the plan for a block whose component `j` has `bits[j]` bits and its values
+    /// (one per code) at `values[offsets[j]..]`; false (the plan unusable) when `n` vectors
+    /// of `per_vector` bits have bit positions beyond `i32`.
+    pub(super) fn build(
+        &mut self,
         bits: &[u8],
         values: &[f32],
         offsets: &[usize],
         n: usize,
         per_vector: usize,
-    ) -> Option<Plan> {
-        let total = n.checked_mul(per_vector)?.checked_add(64)?;
-        if total > i32::MAX as usize {
-            return None;
+    ) -> bool {
+        let total = n.checked_mul(per_vector).and_then(|t| t.checked_add(64));
+        if total.is_none_or(|t| t > i32::MAX as usize) {
+            return false;
         }
-        let mut comps = Vec::with_capacity(bits.len());
-        let (mut tables, mut bases) = (Vec::new(), vec![0u32]);
+        let Plan {
+            bases,
+            comps,
+            tables,
+            ..
+        } = self;
+        bases.clear();
+        comps.clear();
+        tables.clear();
+        bases.push(0);
         let mut o = 0u32;
         for (&b, &off) in bits.iter().zip(offsets) {
             let b32 = b as u32;
@@ -102,12 +115,8 @@ impl Plan {
             });
             o += b32;
         }
-        Some(Plan {
-            bases,
-            comps,
-            tables,
-            per_vector: per_vector as u32,
-        })
+        self.per_vector = per_vector as u32;
+        true
     }
 
     /// Vectors from the first whose groups of eight can be decoded here: every gather of the
@@ -129,25 +138,31 @@ impl Plan {
     ///
     /// # Safety
     /// The CPU has AVX2; `m` comes from `vectors_within(codes.len(), ..)`, `out.len() >= m d`
-    /// and `values` is the slice the plan was built from.
+    /// and `values` is the slice the plan was last built from.
     #[target_feature(enable = "avx,avx2")]
     #[allow(unsafe_code)]
-    pub(super) unsafe fn rows(&self, codes: &[u8], values: &[f32], m: usize, out: &mut [f32]) {
-        let d = self.comps.len();
-        let p = self.per_vector as i32;
+    pub(super) unsafe fn rows(&mut self, codes: &[u8], values: &[f32], m: usize, out: &mut [f32]) {
+        let Plan {
+            bases,
+            comps,
+            tables,
+            per_vector,
+            words,
+        } = self;
+        let d = comps.len();
+        let p = *per_vector as i32;
         let lanes = _mm256_mullo_epi32(
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
             _mm256_set1_epi32(p),
         );
         let seven = _mm256_set1_epi32(7);
         let mut cols = [_mm256_setzero_ps(); 8];
-        // This group's gathered words and their in-byte shifts, one per base.
-        let mut words = vec![(_mm256_setzero_si256(), _mm256_setzero_si256()); self.bases.len()];
+        words.resize(bases.len(), [_mm256_setzero_si256(); 2]);
         let mut t0 = 0;
         while t0 < m {
             let start = _mm256_add_epi32(lanes, _mm256_set1_epi32(t0 as i32 * p));
             // All gathers first: they are independent, so their loads overlap.
-            for (w, &base) in words.iter_mut().zip(&self.bases) {
+            for (w, &base) in words.iter_mut().zip(bases.iter()) {
                 let bit = _mm256_add_epi32(start, _mm256_set1_epi32(base as i32));
                 // SAFETY: every byte read is below `codes.len()` (`vectors_within`).
                 let word = unsafe {
@@ -156,28 +171,28 @@ impl Plan {
                         _mm256_srli_epi32::<3>(bit),
                     )
                 };
-                *w = (word, _mm256_and_si256(bit, seven));
+                *w = [word, _mm256_and_si256(bit, seven)];
             }
             let mut j0 = 0;
             while j0 < d {
                 let w = (d - j0).min(8);
                 for (k, col) in cols.iter_mut().enumerate().take(w) {
-                    let c = self.comps[j0 + k];
+                    let c = comps[j0 + k];
                     if let Kind::Fixed(v) = c.kind {
                         *col = _mm256_set1_ps(v);
                         continue;
                     }
-                    let (word, sh) = words[c.word];
+                    let [word, sh] = words[c.word];
                     let shift = _mm256_add_epi32(sh, _mm256_set1_epi32(c.rel as i32));
                     let code = _mm256_and_si256(
                         _mm256_srlv_epi32(word, shift),
                         _mm256_set1_epi32(c.mask as i32),
                     );
                     *col = match c.kind {
-                        Kind::Permute(i) => _mm256_permutevar8x32_ps(self.table(i), code),
+                        Kind::Permute(i) => _mm256_permutevar8x32_ps(load8(&tables[i]), code),
                         Kind::Permute2(i) => {
-                            let lo = _mm256_permutevar8x32_ps(self.table(i), code);
-                            let hi = _mm256_permutevar8x32_ps(self.table(i + 1), code);
+                            let lo = _mm256_permutevar8x32_ps(load8(&tables[i]), code);
+                            let hi = _mm256_permutevar8x32_ps(load8(&tables[i + 1]), code);
                             let high = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(code));
                             _mm256_blendv_ps(lo, hi, high)
                         }
@@ -206,15 +221,15 @@ impl Plan {
             t0 += 8;
         }
     }
+}
 
-    #[target_feature(enable = "avx")]
-    #[inline]
-    fn table(&self, i: usize) -> __m256 {
-        // SAFETY: an `[f32; 8]` is 8 readable floats.
-        #[allow(unsafe_code)]
-        unsafe {
-            _mm256_loadu_ps(self.tables[i].as_ptr())
-        }
+#[target_feature(enable = "avx")]
+#[inline]
+fn load8(t: &[f32; 8]) -> __m256 {
+    // SAFETY: an `[f32; 8]` is 8 readable floats.
+    #[allow(unsafe_code)]
+    unsafe {
+        _mm256_loadu_ps(t.as_ptr())
     }
 }
 
