@@ -183,13 +183,13 @@ impl<'a> CodedStreams<'a> {
     ) -> Result<()> {
         assert_eq!(parts.len(), self.encs.len(), "one part per block");
         let nb = self.blocks();
-        let done = parallel::map_init_parts(parts, Vec::new, |scratch: &mut Vec<f32>, i, out| {
+        let done = parallel::map_init_parts(parts, Decoded::lend, |scratch, i, out| {
             let (s, b) = (i / nb, i % nb);
             if let Some(r) = ready(s, b, out) {
                 return r;
             }
-            let grid = decode(i, scratch)?;
-            f(s, b, scratch, grid.as_ref(), self.offsets[b], out)
+            let grid = decode(i, &mut scratch.0)?;
+            f(s, b, &scratch.0, grid.as_ref(), self.offsets[b], out)
         });
         done.into_iter().collect()
     }
@@ -230,6 +230,33 @@ impl<'a> CodedStreams<'a> {
         let b = i % self.blocks();
         scratch.resize((self.offsets[b + 1] - self.offsets[b]) * self.d, 0.0);
         scratch
+    }
+}
+
+/// A thread's buffer for decoded blocks, lent to a call's tasks on that thread and kept by
+/// the thread that drops it: a fresh one per call was a 196 KB allocation, zeroed, twice per
+/// layer and step.
+struct Decoded(Vec<f32>);
+
+thread_local! {
+    static DECODED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Decoded {
+    fn lend() -> Self {
+        Decoded(DECODED.take())
+    }
+}
+
+impl Drop for Decoded {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        // The larger buffer stays (none while the thread is exiting).
+        let _ = DECODED.try_with(|c| {
+            if c.borrow().capacity() < v.capacity() {
+                c.replace(v);
+            }
+        });
     }
 }
 

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use super::{run_prepare_block, CodedStreams, Coords, KeyInputs};
+use super::{run_prepare_block, CodedStreams, Coords, Decoded, KeyInputs};
 use crate::error::{Error, Result};
 
 const TODO: u8 = 0;
@@ -110,7 +110,7 @@ impl PreparedKeys {
         let (nb, d) = (coded.blocks(), coded.d);
         let products = keys.products(d);
         let levels = keys.levels(&products, !token_norms);
-        let mut scratch = Vec::new();
+        let mut scratch = Decoded::lend();
         let mut made = 0;
         for (i, slot) in self.slots.iter().enumerate().rev() {
             if self.cancelled.load(Ordering::Relaxed) {
@@ -127,10 +127,10 @@ impl PreparedKeys {
                 state: &slot.state,
                 done: false,
             };
-            let grid = coded.decode_keys(i, &mut scratch, levels)?;
+            let grid = coded.decode_keys(i, &mut scratch.0, levels)?;
             let (m, product, rot) = keys.block(coded, &products, i / nb, i % nb);
             let mut out = BlockKeys::default();
-            let y = Coords::of(&scratch, grid.as_ref());
+            let y = Coords::of(&scratch.0, grid.as_ref());
             run_prepare_block((y, d, m, product, rot), &mut out);
             // Only this thread moved the slot to BUSY, so it is empty.
             let _ = slot.keys.set(out);

@@ -245,7 +245,7 @@ pub fn decode_into(
         component_values(b, metric, fold, &mut s.values, &mut s.offsets)?;
         outlier_values(b, d_eff, fold, &mut s.outliers)?;
         let tables = (&s.values[..], &s.offsets[..]);
-        decode_tables(b, n, d_eff, tables, &s.outliers, out, &mut s.rows)
+        decode_tables(b, n, d_eff, tables, &s.outliers, out, &mut s.buffers)
     })
 }
 
@@ -276,7 +276,7 @@ pub fn decode_mapped<C>(
             outliers,
             lo,
             hi,
-            rows,
+            buffers,
         } = s;
         component_values(b, metric, fold, values, offsets)?;
         outlier_values(b, d_eff, fold, outliers)?;
@@ -303,7 +303,7 @@ pub fn decode_mapped<C>(
         if !all_finite(values) || !outliers.iter().all(|(_, v)| v.is_finite()) {
             return Err(not_finite());
         }
-        decode_tables(b, n, d_eff, (values, offsets), outliers, out, rows)?;
+        decode_tables(b, n, d_eff, (values, offsets), outliers, out, buffers)?;
         Ok(chosen)
     })
 }
@@ -322,7 +322,7 @@ struct Scratch {
     /// Each component's extremes ([`decode_mapped`]).
     lo: Vec<f32>,
     hi: Vec<f32>,
-    rows: RowBuffers,
+    buffers: RowBuffers,
 }
 
 /// What [`decode_tables`] decodes the vectors with (the AVX2 decoder's: unused elsewhere).
@@ -341,8 +341,9 @@ struct RowBuffers {
 const SCRATCH_KEPT: usize = 1 << 20;
 
 impl Scratch {
+    /// Its vectors' bytes (the gather plan's aside: they are bounded by the head dimension).
     fn bytes(&self) -> usize {
-        let r = &self.rows;
+        let r = &self.buffers;
         4 * (self.values.capacity() + self.lo.capacity() + self.hi.capacity() + r.rows.capacity())
             + 8 * self.offsets.capacity()
             + 16 * self.outliers.capacity()
