@@ -525,7 +525,7 @@ pub fn value_sums(
     }
     // Each block's `[g, d]` sums (zeros on entry), block after block.
     let mut parts = vec![0.0f32; coded.encs.len() * g * d];
-    let blocks = parallel::split_parts(&mut parts, coded.encs.iter().map(|_| g * d));
+    let blocks = parts.chunks_mut(g * d).collect();
     coded.map_blocks(blocks, |s, b, y, t0, out| {
         let w = &weights[s * g * t_n..][..g * t_n];
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;

@@ -276,21 +276,22 @@ mod tests {
         assert_eq!(out[3], vec![30, 31, 32]);
     }
 
+    /// `f()` on rayon, on a team of three and on a team of one, in that order.
+    fn on_every_runner<R>(f: impl Fn() -> R) -> [R; 3] {
+        [f(), with_team(&THREE, &f), with_team(&ONE, &f)]
+    }
+
     #[test]
     fn chunks_cover_the_data_in_order() {
-        for team in [None, Some(&THREE as &'static dyn Team)] {
-            let fill = || {
-                let mut v = vec![0usize; 10];
-                let lens = map_chunks(&mut v, 4, |i, c| {
-                    c.iter_mut().for_each(|x| *x = i + 1);
-                    c.len()
-                });
-                (v, lens)
-            };
-            let (v, lens) = match team {
-                Some(t) => with_team(t, fill),
-                None => fill(),
-            };
+        let runs = on_every_runner(|| {
+            let mut v = vec![0usize; 10];
+            let lens = map_chunks(&mut v, 4, |i, c| {
+                c.iter_mut().for_each(|x| *x = i + 1);
+                c.len()
+            });
+            (v, lens)
+        });
+        for (v, lens) in runs {
             assert_eq!(v, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
             assert_eq!(lens, [4, 4, 2]);
         }
@@ -298,22 +299,20 @@ mod tests {
 
     #[test]
     fn parts_of_any_lengths_are_filled_in_order_by_every_runner() {
-        let teams: [Option<&'static dyn Team>; 3] = [None, Some(&THREE), Some(&ONE)];
-        for team in teams {
-            let fill = || {
-                let mut v = vec![0usize; 12];
-                let parts = split_parts(&mut v, [3, 0, 5, 2]);
-                let lens = map_init_parts(parts, Vec::new, |seen: &mut Vec<usize>, i, p| {
-                    seen.push(i);
+        let runs = on_every_runner(|| {
+            let mut v = vec![0usize; 12];
+            let parts = split_parts(&mut v, [3, 0, 5, 2]);
+            let lens = map_init_parts(
+                parts,
+                || (),
+                |_, i, p| {
                     p.iter_mut().for_each(|x| *x = i + 1);
                     p.len()
-                });
-                (v, lens)
-            };
-            let (v, lens) = match team {
-                Some(t) => with_team(t, fill),
-                None => fill(),
-            };
+                },
+            );
+            (v, lens)
+        });
+        for (v, lens) in runs {
             // The last two items were in no part.
             assert_eq!(v, [1, 1, 1, 3, 3, 3, 3, 3, 4, 4, 0, 0]);
             assert_eq!(lens, [3, 0, 5, 2]);

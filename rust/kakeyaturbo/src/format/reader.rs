@@ -206,14 +206,12 @@ fn read(bytes: &[u8], verify: bool) -> Result<ParsedLayer<'_>> {
         });
     }
     let (body, crc) = bytes.split_at(bytes.len() - CRC_LEN);
-    let stored = u32::from_le_bytes(crc.try_into().unwrap());
-    let computed = if verify {
-        crc32fast::hash(body)
-    } else {
-        stored
-    };
-    if stored != computed {
-        return Err(Error::Checksum { stored, computed });
+    if verify {
+        let stored = u32::from_le_bytes(crc.try_into().unwrap());
+        let computed = crc32fast::hash(body);
+        if stored != computed {
+            return Err(Error::Checksum { stored, computed });
+        }
     }
     let mut c = Cursor { buf: body, pos: 6 };
     let flags = c.u16()?;
