@@ -6,12 +6,16 @@ transformers' QuantizedCache, at several context lengths, measured in one run.
 
 For each context length every method prefills the same WikiText-2 tokens and greedily
 generates `--new-tokens` tokens with `model.generate`. A logits processor timestamps each
-step, so prefill time and decode tokens/s come from the same call. Every other method is made to
-follow DynamicCache's greedy tokens (a second processor forces them after the first has recorded
-the method's own logits), so `top1` (its argmax equals DynamicCache's) and `KL` (to
-DynamicCache's next-token distribution) are teacher-forced quality over the generated
-continuation, measured in the timed call itself. KV bytes are measured after generation by
-walking the tensors (and encoded blocks) each cache holds.
+step, so prefill time and decode tokens/s come from the same call. With `--rounds N` the
+methods run N times, in another order each round, and each ratio is the median over rounds of
+the ratio within a round (on a shared 2-core VM one call's speed moves by 10-20% against the
+next's).
+
+Every other method is made to follow DynamicCache's greedy tokens (a second processor forces
+them after the first has recorded the method's own logits), so `top1` (its argmax equals
+DynamicCache's) and `KL` (to DynamicCache's next-token distribution) are teacher-forced quality
+over the generated continuation, measured in the timed call itself. KV bytes are measured after
+generation by walking the tensors (and encoded blocks) each cache holds.
 
 KakeyaCache variants (the design choice, see kakeyaturbo/hf/layer.py):
 - `kakeya` (decoded_cache_bytes=0, the default): holds only compressed blocks, the exact hot
@@ -35,6 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -165,6 +170,18 @@ def run(model, ids, make_cache, new_tokens: int, follow: torch.Tensor | None = N
         out[0, ids.shape[1] :], torch.stack(clock.logprobs), prefill, decode_tps,
         held_bytes(cache), cache, peak,
     )
+
+
+def rotations(methods: list, rounds: int) -> list:
+    """`methods` once per round: round `r` starts `r` methods later and runs backwards when `r`
+    is odd (round 0 is the given order, so DynamicCache, the reference, runs first). A method
+    then follows different ones from round to round (a rotation alone keeps each after the
+    same one), and a shared machine's drift from one call to the next falls on each in turn."""
+    n, order = len(methods), []
+    for r in range(rounds):
+        turn = [methods[(r + i) % n] for i in range(n)]
+        order += turn[::-1] if r % 2 else turn
+    return order
 
 
 def reset_peak_rss() -> bool:
@@ -303,7 +320,18 @@ def main(argv=None) -> None:
         help="torch CPU threads (default 1: on a small shared box OpenMP spin-waits against the "
         "codec's worker threads and multi-threaded timings mean little; 0 = torch's default)",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times each context's methods run, in another order each round (DynamicCache "
+        "first in the first); speeds are the medians over rounds, each ratio the median of "
+        "the ratios within a round, so a shared machine's drift between one call and the next "
+        "falls on every method in turn (default 1)",
+    )
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     from transformers import DynamicCache, QuantizedCache
 
@@ -376,8 +404,10 @@ def main(argv=None) -> None:
         ]
         if args.decode_all:
             methods.append(("kakeya(decode-all)", (0, False)))
-        ref = ref_lp = dense = base_tps = None
-        for name, make in methods:
+        ref = ref_lp = dense = None
+        seen: dict[str, dict] = {}  # per method: its first round's figures, every round's speeds
+        for rnd, (name, make) in enumerate(rotations(methods, args.rounds)):
+            rnd //= len(methods)
             if callable(make):
                 # Peers run on sdpa (a KakeyaCache switches the model to "kakeya" attention).
                 model.set_attn_implementation("sdpa")
@@ -399,20 +429,31 @@ def main(argv=None) -> None:
                 model, ids, make, args.new_tokens, ref
             )
             if ref is None:
-                ref, ref_lp, dense, base_tps = gen, lp, nbytes, tps
-            top1, kl = agreement(ref_lp, lp)
-            note = ""
-            if isinstance(cache, KakeyaCache):
-                rep = cache.memory_report()
-                assert rep["total_bytes"] == nbytes, (rep["total_bytes"], nbytes)
-                note = f"decoded {rep['decoded_cache_bytes'] / 2**20:.2f} MiB"
+                ref, ref_lp, dense = gen, lp, nbytes
+            if name not in seen:
+                top1, kl = agreement(ref_lp, lp)
+                note = ""
+                if isinstance(cache, KakeyaCache):
+                    rep = cache.memory_report()
+                    assert rep["total_bytes"] == nbytes, (rep["total_bytes"], nbytes)
+                    note = f"decoded {rep['decoded_cache_bytes'] / 2**20:.2f} MiB"
+                seen[name] = dict(
+                    nbytes=nbytes, top1=top1, kl=kl, peak=peak, note=note, tps=[], prefill=[]
+                )
+            seen[name]["tps"].append(tps)
+            seen[name]["prefill"].append(prefill)
+            print(f"  ctx {ctx:5d} {name:28s} round {rnd + 1} done", flush=True)
+        dyn = seen["DynamicCache"]
+        for name, _ in methods:
+            m = seen[name]
+            m["ratios"] = [t / b for t, b in zip(m["tps"], dyn["tps"])]
             rows.append(
                 (
-                    ctx, name, prefill, tps, tps / base_tps, nbytes, dense * to_bf16 / nbytes,
-                    top1, kl, peak, note,
+                    ctx, name, median(m["prefill"]), median(m["tps"]), median(m["ratios"]),
+                    m["nbytes"], dense * to_bf16 / m["nbytes"], m["top1"], m["kl"], m["peak"],
+                    m["note"], m,
                 )
             )
-            print(f"  ctx {ctx:5d} {name:28s} done", flush=True)
 
     print()
     head = (
@@ -421,7 +462,7 @@ def main(argv=None) -> None:
     )
     print(head)
     print("-" * len(head))
-    for ctx, name, prefill, tps, speed, nbytes, ratio, top1, kl, peak, note in rows:
+    for ctx, name, prefill, tps, speed, nbytes, ratio, top1, kl, peak, note, _ in rows:
         print(
             f"{ctx:5d} {name:28s} {prefill:9.3f} {tps:12.1f} {speed:7.2f} "
             f"{nbytes / 2**20:8.2f} {ratio:8.2f} {top1:6.3f} {kl:8.2e} {peak / 2**20:8.1f}  {note}"
@@ -433,13 +474,25 @@ def main(argv=None) -> None:
         "during the call (prefill activations included), in this process after the methods "
         "before it (benches/peak_memory.py measures each in a fresh process)."
     )
+    if args.rounds > 1:
+        print(
+            f"\n{args.rounds} rounds, methods in another order each round: prefill s and decode "
+            "tok/s are medians over rounds, vs dyn the median of the ratios within each round; "
+            "top1, KL, bytes and peak from the first round. Each round's ratio:"
+        )
+        for r in rows:
+            if r[1] != "DynamicCache":
+                each = " ".join(f"{x:.2f}" for x in r[-1]["ratios"])
+                print(f"ctx {r[0]}: {r[1]}: vs DynamicCache {each}")
     for ctx in args.contexts:
         q = next((r for r in rows if r[0] == ctx and r[1].startswith("QuantizedCache")), None)
         if q is None:
             continue
         for r in (r for r in rows if r[0] == ctx and r[1].startswith("kakeya")):
+            each = [t / b for t, b in zip(r[-1]["tps"], q[-1]["tps"])]
+            rounds = f" (each round: {' '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
             print(
-                f"ctx {ctx}: {r[1]}: {r[3] / q[3]:.2f}x QuantizedCache's decode tok/s, "
+                f"ctx {ctx}: {r[1]}: {median(each):.2f}x QuantizedCache's decode tok/s{rounds}, "
                 f"{r[6]:.2f}x fewer bytes than bf16 vs its {q[6]:.2f}x"
             )
 
