@@ -908,9 +908,7 @@ fn block_logits_in<const FMA: bool>(args: LogitArgs<'_>, out: &mut [f32], buf: &
         true => &buf[..y.len()],
         false => y.values(),
     };
-    for ((qj, cj), o) in q.chunks_exact(d).zip(chunks).zip(out.chunks_exact_mut(n)) {
-        dots::<FMA>(qj, cj, keys, o);
-    }
+    dots_rows::<FMA>(q, chunks, keys, out);
     if norms.is_some() {
         for (t, yt) in y.values().chunks_exact(d).enumerate() {
             let scale = token_scale::<FMA>(norms, t, yt);
@@ -1006,9 +1004,7 @@ type PreparedArgs<'a> = (&'a BlockKeys, usize, Option<&'a [f32]>, Rows<'a>);
 fn prepared_logits<const FMA: bool>(args: PreparedArgs<'_>, out: &mut [f32]) {
     let (bk, d, norms, (q, chunks)) = args;
     let (n, g) = (bk.tokens(d), chunks.len());
-    for ((qj, cj), o) in q.chunks_exact(d).zip(chunks).zip(out.chunks_exact_mut(n)) {
-        dots::<FMA>(qj, cj, &bk.keys, o);
-    }
+    dots_rows::<FMA>(q, chunks, &bk.keys, out);
     if let Some(nm) = norms {
         for (t, &len) in bk.lengths.iter().enumerate() {
             let scale = nm[t] / len;
@@ -1032,26 +1028,64 @@ fn nonzero_chunks(q: &[f32]) -> Vec<usize> {
         .collect()
 }
 
-/// `out[t] = q . keys[t]` for every row of `keys` (`out.len() x q.len()`); `chunks` are `q`'s
-/// [`nonzero_chunks`].
+/// `out[j, t] = q_j . keys[t]` for every query row `j` of `q` (`[g, d]`, `out` `[g, n]`) and
+/// every row of `keys` (`[n, d]`); `chunks` are each row's [`nonzero_chunks`], which the AVX
+/// form skips (two thirds of a wide query across three heads is zero). Up to [`GROUP_ROWS`]
+/// rows with the same chunks (one KV head's query rows, or its share of a wide query) go
+/// together, so that each key is read once per group rather than once per row: row by row,
+/// a decode step read each made block (196 KB for SmolLM2) three times, with a load per
+/// multiply-add. Tokens go in eights through the horizontal adds' reduction, the rest through
+/// [`dot`].
 #[inline(always)]
-fn dots<const FMA: bool>(q: &[f32], chunks: &[usize], keys: &[f32], out: &mut [f32]) {
-    let d = q.len();
-    let mut done = 0;
+fn dots_rows<const FMA: bool>(q: &[f32], chunks: &[Vec<usize>], keys: &[f32], out: &mut [f32]) {
+    let g = chunks.len();
+    if g == 0 || out.is_empty() {
+        return;
+    }
+    let (d, n) = (q.len() / g, out.len() / g);
     #[cfg(target_arch = "x86_64")]
     if FMA && d.is_multiple_of(8) {
-        for (k8, o8) in keys.chunks_exact(8 * d).zip(out.chunks_exact_mut(8)) {
+        let whole = n / 8 * 8;
+        let mut j = 0;
+        while j < g {
+            let same = chunks[j..].iter().take(GROUP_ROWS);
+            let k = j + same.take_while(|c| **c == chunks[j]).count();
+            let (qg, og) = (&q[j * d..k * d], &mut out[j * n..k * n]);
             #[allow(unsafe_code)]
             // SAFETY: `FMA` builds run only inside the AVX + FMA `kernel`s (see `dot`).
-            let sums = unsafe { dots8_avx_fma(q, k8, chunks) };
-            o8.copy_from_slice(&sums);
-            done += 8;
+            unsafe {
+                match k - j {
+                    1 => dots4_avx_fma::<1>(qg, &chunks[j], keys, whole, og),
+                    2 => dots4_avx_fma::<2>(qg, &chunks[j], keys, whole, og),
+                    _ => dots4_avx_fma::<3>(qg, &chunks[j], keys, whole, og),
+                }
+            }
+            for (qr, o) in qg.chunks_exact(d).zip(og.chunks_exact_mut(n)) {
+                for (t, o) in o.iter_mut().enumerate().skip(whole) {
+                    *o = dot::<FMA>(qr, &keys[t * d..][..d]);
+                }
+            }
+            j = k;
+        }
+        return;
+    }
+    for (qj, o) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)) {
+        for (k, o) in keys.chunks_exact(d).zip(o) {
+            *o = dot::<FMA>(qj, k);
         }
     }
-    for (k, o) in keys[done * d..].chunks_exact(d).zip(&mut out[done..]) {
-        *o = dot::<FMA>(q, k);
-    }
 }
+
+/// How many tokens ahead [`dots4_avx_fma`] asks for the keys' lines. A block made ahead
+/// was written by the other core, and its dots wait on memory: in a decode step at 8k
+/// (SmolLM2, in-process timing of each call) a block's dots took 24.3 us with 16 tokens
+/// ahead, 27.3 with 8, 32.0 row by row and 37.7 in groups without prefetching (48th-49th
+/// sessions, `docs/speed.md`).
+const PREFETCH_TOKENS: usize = 16;
+
+/// The most query rows [`dots_rows`] takes together: with 4 tokens, 12 sums in registers
+/// besides the rows' query chunks and a key (16 AVX registers).
+const GROUP_ROWS: usize = 3;
 
 /// The most query rows [`block_sums`] sums in one tile: with 8 columns, 12 sums in registers
 /// besides a token's values and a broadcast weight (16 AVX registers).
@@ -1258,43 +1292,59 @@ fn dot_avx_fma(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `q . k_t` for the eight rows `k_t` of `keys` (`8 x d`, `d = q.len()` a multiple of 8) over
-/// the 8-channel `chunks` of `q` that are not zero (their first channels; the others add
-/// nothing to a finite key's dot): one accumulator per row, the eight reduced together by
-/// horizontal adds (one reduction per row cost more than the row's products).
+/// `out[r, t] = q_r . keys[t]` for `R` query rows (`q` `[R, d]`, `out` `[R, n]`) sharing
+/// `chunks`, over the first `tokens` keys (a multiple of 4) in fours, each key chunk loaded
+/// once for the `R` rows: one 8-lane accumulator per row and token, the lanes reduced by
+/// horizontal adds (one reduction per sum cost more than its products).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,fma")]
 #[allow(unsafe_code)]
-fn dots8_avx_fma(q: &[f32], keys: &[f32], chunks: &[usize]) -> [f32; 8] {
+fn dots4_avx_fma<const R: usize>(
+    q: &[f32],
+    chunks: &[usize],
+    keys: &[f32],
+    tokens: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
-    let d = q.len();
-    assert!(d.is_multiple_of(8) && keys.len() >= 8 * d);
+    let d = q.len() / R;
+    let n = out.len() / R;
+    assert!(q.len() == R * d && d.is_multiple_of(8) && tokens.is_multiple_of(4));
+    assert!(tokens <= n && keys.len() >= tokens * d);
     assert!(chunks.iter().all(|&c| c + 8 <= d));
-    let mut acc = [_mm256_setzero_ps(); 8];
-    for &c in chunks {
-        // SAFETY (every load): `c + 8 <= d`, and row `t < 8` of `keys` holds `d` values.
-        let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
-        for (t, a) in acc.iter_mut().enumerate() {
-            let kv = unsafe { _mm256_loadu_ps(keys.as_ptr().add(t * d + c)) };
-            *a = _mm256_fmadd_ps(qv, kv, *a);
+    for t0 in (0..tokens).step_by(4) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        if t0 + PREFETCH_TOKENS + 4 <= tokens {
+            for t in t0 + PREFETCH_TOKENS..t0 + PREFETCH_TOKENS + 4 {
+                // A 64-byte line holds two chunks of 8 floats.
+                for &c in chunks.iter().step_by(2) {
+                    // SAFETY: `t < tokens` and `c < d`: an address inside `keys`.
+                    let at = unsafe { keys.as_ptr().add(t * d + c) };
+                    _mm_prefetch::<_MM_HINT_T0>(at.cast());
+                }
+            }
+        }
+        for &c in chunks {
+            // SAFETY (every load): `c + 8 <= d`, `q` holds `R` rows of `d` and `keys` at least
+            // `tokens` rows of `d`, `t0 + 3 < tokens`.
+            let qv: [__m256; R] =
+                std::array::from_fn(|r| unsafe { _mm256_loadu_ps(q.as_ptr().add(r * d + c)) });
+            for t in 0..4 {
+                let kv = unsafe { _mm256_loadu_ps(keys.as_ptr().add((t0 + t) * d + c)) };
+                for (a, &qr) in acc.iter_mut().zip(&qv) {
+                    a[t] = _mm256_fmadd_ps(qr, kv, a[t]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // Pairwise horizontal adds: lanes 0-3 then hold tokens' sums of their lanes 0-3,
+            // lanes 4-7 of their lanes 4-7.
+            let h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            // SAFETY: `r < R` and `t0 + 4 <= tokens <= n`.
+            unsafe { _mm_storeu_ps(out.as_mut_ptr().add(r * n + t0), sums) };
         }
     }
-    // Pairwise horizontal adds: lanes 0-3 then hold rows' sums of their lanes 0-3, lanes
-    // 4-7 of their lanes 4-7, in row order 0-3 | 0-3 and 4-7 | 4-7.
-    let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-    let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-    let h45 = _mm256_hadd_ps(acc[4], acc[5]);
-    let h67 = _mm256_hadd_ps(acc[6], acc[7]);
-    let h0123 = _mm256_hadd_ps(h01, h23);
-    let h4567 = _mm256_hadd_ps(h45, h67);
-    let sums = _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(h0123, h4567),
-        _mm256_permute2f128_ps::<0x31>(h0123, h4567),
-    );
-    let mut out = [0.0f32; 8];
-    // SAFETY: `out` holds 8 floats.
-    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
-    out
 }
 
 #[cfg(test)]

@@ -295,6 +295,132 @@ fn fused_and_separate_multiply_adds_agree() {
     assert_close(&a, &b, "fma vs mul+add sums");
 }
 
+/// `out[t] = q . keys[t]` for every row of `keys` (`out.len() x q.len()`); `chunks` are `q`'s
+/// [`nonzero_chunks`]: one query row at a time, as the dots ran before [`dots_rows`] took
+/// rows together, which must give the same bits.
+#[inline(always)]
+fn dots<const FMA: bool>(q: &[f32], chunks: &[usize], keys: &[f32], out: &mut [f32]) {
+    let d = q.len();
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if FMA && d.is_multiple_of(8) {
+        for (k8, o8) in keys.chunks_exact(8 * d).zip(out.chunks_exact_mut(8)) {
+            #[allow(unsafe_code)]
+            // SAFETY: `FMA` builds run only inside `run_dots`' AVX + FMA `kernel`.
+            let sums = unsafe { dots8_avx_fma(q, k8, chunks) };
+            o8.copy_from_slice(&sums);
+            done += 8;
+        }
+    }
+    for (k, o) in keys[done * d..].chunks_exact(d).zip(&mut out[done..]) {
+        *o = dot::<FMA>(q, k);
+    }
+}
+
+/// `q . k_t` for the eight rows `k_t` of `keys` (`8 x d`, `d = q.len()` a multiple of 8) over
+/// the 8-channel `chunks` of `q` that are not zero (their first channels; the others add
+/// nothing to a finite key's dot): one accumulator per row, the eight reduced together by
+/// horizontal adds (one reduction per row cost more than the row's products).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,fma")]
+#[allow(unsafe_code)]
+fn dots8_avx_fma(q: &[f32], keys: &[f32], chunks: &[usize]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let d = q.len();
+    assert!(d.is_multiple_of(8) && keys.len() >= 8 * d);
+    assert!(chunks.iter().all(|&c| c + 8 <= d));
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for &c in chunks {
+        // SAFETY (every load): `c + 8 <= d`, and row `t < 8` of `keys` holds `d` values.
+        let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
+        for (t, a) in acc.iter_mut().enumerate() {
+            let kv = unsafe { _mm256_loadu_ps(keys.as_ptr().add(t * d + c)) };
+            *a = _mm256_fmadd_ps(qv, kv, *a);
+        }
+    }
+    // Pairwise horizontal adds: lanes 0-3 then hold rows' sums of their lanes 0-3, lanes
+    // 4-7 of their lanes 4-7, in row order 0-3 | 0-3 and 4-7 | 4-7.
+    let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+    let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+    let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+    let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+    let h0123 = _mm256_hadd_ps(h01, h23);
+    let h4567 = _mm256_hadd_ps(h45, h67);
+    let sums = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(h0123, h4567),
+        _mm256_permute2f128_ps::<0x31>(h0123, h4567),
+    );
+    let mut out = [0.0f32; 8];
+    // SAFETY: `out` holds 8 floats.
+    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
+    out
+}
+
+with_avx_fma! {
+    /// [`dots_rows`], built as the kernels build it.
+    fn run_dots_rows(q: &[f32], chunks: &[Vec<usize>], keys: &[f32], out: &mut [f32]) => dots_rows
+}
+
+with_avx_fma! {
+    /// [`dots`] of one row, built as the kernels build it.
+    fn run_dots(q: &[f32], chunks: &[usize], keys: &[f32], out: &mut [f32]) => dots
+}
+
+#[test]
+fn query_rows_dotted_together_give_each_row_own_bits() {
+    // Rows that share their chunks go through the keys together, in groups of up to three: a
+    // wide query across three heads (each row zero outside its head), four rows of one head
+    // (a group of three and one alone), rows of mixed widths, token counts off the eights.
+    if !avx_fma() {
+        return;
+    }
+    let wide = |rows: &[usize], d: usize, heads: usize| {
+        let mut q = normals(rows.len() * d, 12);
+        for (r, &h) in rows.iter().enumerate() {
+            for (c, x) in q[r * d..][..d].iter_mut().enumerate() {
+                if c / (d / heads) != h {
+                    *x = 0.0;
+                }
+            }
+        }
+        q
+    };
+    let cases = [
+        (wide(&[0, 0, 0, 1, 1, 1, 2, 2, 2], 192, 3), 192),
+        (wide(&[0, 0, 0, 0, 1, 2, 2, 0], 192, 3), 192),
+        (normals(4 * 64, 13), 64),
+        (normals(2 * 40, 14), 40),
+    ];
+    let mut grouped = 0;
+    for (q, d) in &cases {
+        let (d, g) = (*d, q.len() / d);
+        let chunks: Vec<Vec<usize>> = q.chunks_exact(d).map(nonzero_chunks).collect();
+        grouped += chunks.windows(2).filter(|w| w[0] == w[1]).count();
+        for n in [0usize, 3, 8, 13, 256] {
+            let keys = normals(n * d, 15 + n as u64);
+            let mut got = vec![f32::NAN; g * n];
+            run_dots_rows(q, &chunks, &keys, &mut got);
+            let mut want = vec![0.0f32; g * n];
+            for ((qj, cj), o) in q
+                .chunks_exact(d)
+                .zip(&chunks)
+                .zip(want.chunks_exact_mut(n.max(1)))
+            {
+                run_dots(qj, cj, &keys, &mut o[..n]);
+            }
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "d={d} g={g} n={n}: grouped rows differ from rows alone"
+            );
+        }
+    }
+    assert!(grouped > 0, "no case put rows together");
+}
+
 #[test]
 fn bf16_bits_round_to_nearest_even() {
     let up = |b: u32| f32::from_bits(b);
