@@ -184,6 +184,11 @@ def rotations(methods: list, rounds: int) -> list:
     return order
 
 
+def per_round(tps: list, base: list) -> list:
+    """Each round's speed ratio: `tps[r] / base[r]`, both timed in round `r`."""
+    return [t / b for t, b in zip(tps, base)]
+
+
 def reset_peak_rss() -> bool:
     """Resets the kernel's peak-RSS mark of this process (Linux); False where it cannot."""
     try:
@@ -448,7 +453,7 @@ def main(argv=None) -> None:
         dyn = seen["DynamicCache"]
         for name, _ in methods:
             m = seen[name]
-            m["ratios"] = [t / b for t, b in zip(m["tps"], dyn["tps"])]
+            m["ratios"] = per_round(m["tps"], dyn["tps"])
             rows.append(
                 (
                     ctx, name, median(m["prefill"]), median(m["tps"]), median(m["ratios"]),
@@ -491,7 +496,7 @@ def main(argv=None) -> None:
         if q is None:
             continue
         for r in (r for r in rows if r[0] == ctx and r[1].startswith("kakeya")):
-            each = [t / b for t, b in zip(r[-1]["tps"], q[-1]["tps"])]
+            each = per_round(r[-1]["tps"], q[-1]["tps"])
             rounds = f" (each round: {' '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
             print(
                 f"ctx {ctx}: {r[1]}: {median(each):.2f}x QuantizedCache's decode tok/s{rounds}, "

@@ -1034,8 +1034,7 @@ fn nonzero_chunks(q: &[f32]) -> Vec<usize> {
 /// rows with the same chunks (one KV head's query rows, or its share of a wide query) go
 /// together, so that each key is read once per group rather than once per row: row by row,
 /// a decode step read each made block (196 KB for SmolLM2) three times, with a load per
-/// multiply-add. Tokens go in eights through the horizontal adds' reduction, the rest through
-/// [`dot`].
+/// multiply-add.
 #[inline(always)]
 fn dots_rows<const FMA: bool>(q: &[f32], chunks: &[Vec<usize>], keys: &[f32], out: &mut [f32]) {
     let g = chunks.len();
@@ -1045,6 +1044,9 @@ fn dots_rows<const FMA: bool>(q: &[f32], chunks: &[Vec<usize>], keys: &[f32], ou
     let (d, n) = (q.len() / g, out.len() / g);
     #[cfg(target_arch = "x86_64")]
     if FMA && d.is_multiple_of(8) {
+        // The tokens up to the last multiple of 8 go through the horizontal adds (four at a
+        // time), the rest through `dot`: where the row-by-row form drew that line, so each
+        // token's sum keeps its bits.
         let whole = n / 8 * 8;
         let mut j = 0;
         while j < g {
