@@ -330,7 +330,8 @@ fn decode_each(encs: &[&EncodedLayer], out: &mut [f32]) {
 /// decoded into a reused buffer); `key_logits` adds the frame product, RoPE and the dots
 /// (`key_logits_bf16`: the frame product in bfloat16, where the CPU has AVX512-BF16),
 /// `key_logits_no_frame` only RoPE and the dots, `value_sums` the norm scale and the weighted
-/// sums, `attend` both kernels with the softmax and an exact part between them (the decoded
+/// sums (`value_sums_joint`, without token norms: summed straight from the codes, no block
+/// decoded), `attend` both kernels with the softmax and an exact part between them (the decoded
 /// bytes of keys and values: read it as twice `decode`). Every id reports the f32 bytes
 /// decoded, so each reads as a ratio to `decode` in the same run.
 fn bench_coded_attention(c: &mut Criterion) {

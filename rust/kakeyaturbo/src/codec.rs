@@ -32,7 +32,7 @@ use crate::parallel;
 use crate::params::{Allocation, CodecParams, InputDtype, MAX_HEAD_DIM, MAX_MAGNITUDE};
 use crate::pca::{fit_basis, normalised_weights, project, rounded_mean, unproject, SharedBasis};
 use crate::uniform::{self, UniformBody};
-use crate::waterfill::{self, WaterfillBody};
+use crate::waterfill::{self, WaterfillBody, WaterfillCodes};
 
 /// One encoded block, with its codes unpacked (the wire form packs them).
 #[derive(Debug, Clone, PartialEq)]
@@ -447,16 +447,52 @@ pub fn decode_layer_mapped<C>(
     check_output(enc, out)?;
     let (n, d) = enc.shape();
     let parsed = read_held_layer(enc.as_bytes())?;
-    let own = parsed.shared.is_none() && parsed.external.is_none();
-    if let [b] = &parsed.blocks[..] {
-        if let ParsedBody::Waterfill(w) = &b.body {
-            if own && b.basis.is_empty() && b.d_eff == d && b.n == n {
-                let (metric, mean) = (parsed.params.metric, Some(&b.mean[..]));
-                return waterfill::decode_mapped(w, n, d, metric, mean, choose, map, out).map(Some);
-            }
-        }
+    if let Some((w, mean)) = own_waterfill(&parsed, n, d) {
+        let metric = parsed.params.metric;
+        return waterfill::decode_mapped(w, n, d, metric, Some(mean), choose, map, out).map(Some);
     }
     decode_parsed(&parsed, None, out).map(|()| None)
+}
+
+/// The codes and mean of a layer of `n` vectors of `d` values that is one water-filled block
+/// in its own coordinates (no basis, shared or external), else None.
+fn own_waterfill<'p, 'a>(
+    parsed: &'p ParsedLayer<'a>,
+    n: usize,
+    d: usize,
+) -> Option<(&'p WaterfillCodes<'a>, &'p [f32])> {
+    let own = parsed.shared.is_none() && parsed.external.is_none();
+    match &parsed.blocks[..] {
+        [b] if own && b.basis.is_empty() && b.d_eff == d && b.n == n => match &b.body {
+            ParsedBody::Waterfill(w) => Some((w, &b.mean[..])),
+            ParsedBody::Uniform(_) => None,
+        },
+        _ => None,
+    }
+}
+
+/// The weighted sums `out[r, j] = sum_t w[r, t] x[t, j]` of the layer's decoded vectors `x`,
+/// row `r`'s weights at `weights[r * stride..][..n_tokens]`, read straight from the codes
+/// ([`waterfill::weighted_sums`]) for a layer that [`decode_layer_mapped`] maps (one
+/// water-filled block in its own coordinates); `Ok(false)`, with `out` untouched, for any
+/// other layer, or where that kernel does not run: the caller decodes the layer instead.
+pub fn layer_weighted_sums(
+    enc: &EncodedLayer,
+    (weights, stride, rows): (&[f32], usize, usize),
+    out: &mut [f32],
+) -> Result<bool> {
+    let (n, d) = enc.shape();
+    if !(1..=waterfill::WEIGHTED_SUMS_ROWS).contains(&rows) {
+        return Ok(false);
+    }
+    let parsed = read_held_layer(enc.as_bytes())?;
+    match own_waterfill(&parsed, n, d) {
+        Some((w, mean)) => {
+            let (metric, sums) = (parsed.params.metric, (weights, stride, rows));
+            waterfill::weighted_sums(w, n, d, metric, Some(mean), sums, out)
+        }
+        None => Ok(false),
+    }
 }
 
 /// `out` holds exactly the layer's `n_tokens x head_dim` values (`Error::Shape` otherwise).

@@ -154,26 +154,12 @@ impl<'a> CodedStreams<'a> {
         self.offsets.len() - 1
     }
 
-    /// Runs `f(stream, block, decoded block, its first token, out)` on every block in
-    /// parallel, each block decoded into a per-thread scratch buffer and writing its own
-    /// `out` of `parts` (one per block, in (stream, block) order).
-    fn map_blocks(
-        &self,
-        parts: Vec<&mut [f32]>,
-        f: impl Fn(usize, usize, &[f32], usize, &mut [f32]) -> Result<()> + Sync,
-    ) -> Result<()> {
-        self.map_blocks_or(
-            parts,
-            |_, _, _| None,
-            |i, scratch| self.decode(i, scratch).map(|()| None),
-            |s, b, y, _, t0, out| f(s, b, y, t0, out),
-        )
-    }
-
-    /// [`Self::map_blocks`], where `ready(stream, block, out)` may fill a block's part without
-    /// decoding it (keys prepared beforehand; Some with how that went), and
-    /// `decode(i, scratch)` decodes block `i` and may return how (an int16 grid:
-    /// [`Self::decode_keys`]).
+    /// Runs `f(stream, block, decoded block, grid, its first token, out)` on every block in
+    /// parallel, each writing its own `out` of `parts` (one per block, in (stream, block)
+    /// order), where `ready(stream, block, out)` may fill a block's part without decoding it
+    /// (keys prepared beforehand, value sums from the codes; Some with how that went); the
+    /// others are decoded by `decode(i, scratch)` into a per-thread scratch buffer, which may
+    /// return how (an int16 grid: [`Self::decode_keys`]).
     fn map_blocks_or(
         &self,
         parts: Vec<&mut [f32]>,
@@ -523,17 +509,30 @@ pub fn value_sums(
     if g * d == 0 {
         return Ok(Vec::new());
     }
-    // Each block's `[g, d]` sums (zeros on entry), block after block.
+    // Each block's `[g, d]` sums (zeros on entry), block after block. Without token norms
+    // (whose scales need each decoded vector's length) a decode step's few rows are summed
+    // straight from the codes, with no decoded block written (`codec::layer_weighted_sums`).
     let mut parts = vec![0.0f32; coded.encs.len() * g * d];
     let blocks = parts.chunks_mut(g * d).collect();
-    coded.map_blocks(blocks, |s, b, y, t0, out| {
+    let nb = coded.blocks();
+    let from_codes = |s: usize, b: usize, out: &mut [f32]| {
+        if norms.is_some() {
+            return None;
+        }
+        let w = &weights[s * g * t_n + coded.offsets[b]..];
+        match crate::codec::layer_weighted_sums(coded.encs[s * nb + b], (w, t_n, g), out) {
+            Ok(false) => None,
+            done => Some(done.map(|_| ())),
+        }
+    };
+    let decode = |i: usize, scratch: &mut Vec<f32>| coded.decode(i, scratch).map(|()| None);
+    coded.map_blocks_or(blocks, from_codes, decode, |s, b, y, _, t0, out| {
         let w = &weights[s * g * t_n..][..g * t_n];
         let nm = norms.map(|nm| nm.block(coded, s, b)).transpose()?;
         run_block_sums((y, d, w, t_n, t0, nm.as_deref(), g), out);
         Ok(())
     })?;
     // Blocks add up in token order, so the result does not depend on the thread count.
-    let nb = coded.blocks();
     let mut sums = vec![0.0f32; s_n * g * d];
     for (i, part) in parts.chunks_exact(g * d).enumerate() {
         let acc = &mut sums[(i / nb) * g * d..][..g * d];

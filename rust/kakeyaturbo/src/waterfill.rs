@@ -28,8 +28,10 @@ use crate::params::{CodecParams, MAX_MAGNITUDE};
 mod decode;
 #[cfg(target_arch = "x86_64")]
 mod gather;
+#[cfg(target_arch = "x86_64")]
+mod sums;
 
-pub use decode::{decode_into, decode_mapped, WaterfillCodes};
+pub use decode::{decode_into, decode_mapped, weighted_sums, WaterfillCodes, WEIGHTED_SUMS_ROWS};
 
 /// Largest number of bits one component may take.
 pub const MAX_COMPONENT_BITS: u8 = 8;

@@ -33,9 +33,9 @@ use std::cell::RefCell;
 
 use half::f16;
 
-#[cfg(target_arch = "x86_64")]
-use super::gather;
 use super::{book, ip_gain, MAX_COMPONENT_BITS};
+#[cfg(target_arch = "x86_64")]
+use super::{gather, sums};
 use crate::bitpack::peek_u64;
 use crate::error::{Error, Result};
 use crate::params::Metric;
@@ -308,6 +308,124 @@ pub fn decode_mapped<C>(
     })
 }
 
+/// Most query rows [`weighted_sums`] takes (more are cheaper decoded once and then summed).
+#[cfg(target_arch = "x86_64")]
+pub const WEIGHTED_SUMS_ROWS: usize = sums::MAX_ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+pub const WEIGHTED_SUMS_ROWS: usize = 0;
+
+/// The weighted sums `out[r, j] = sum_t w[r, t] y[t, j]` of the block's vectors `y` as
+/// [`decode_into`] decodes them (with `mean`), for `rows` rows of weights, row `r`'s at
+/// `weights[r * stride..][..n]`, read straight from the codes: no decoded vector is written
+/// (`sums.rs`). They agree with decoding and then summing to float32 rounding (the terms are
+/// added in another order). `Ok(false)`, with `out` untouched, where this CPU has no AVX2 and
+/// FMA or `rows` is 0 or above [`WEIGHTED_SUMS_ROWS`]: the caller decodes instead. Checks
+/// the block as [`decode_into`] does.
+pub fn weighted_sums(
+    b: &WaterfillCodes<'_>,
+    n: usize,
+    d_eff: usize,
+    metric: Metric,
+    mean: Option<&[f32]>,
+    (weights, stride, rows): (&[f32], usize, usize),
+    out: &mut [f32],
+) -> Result<bool> {
+    check_shape(b, d_eff, mean)?;
+    let fits = rows == 0 || (rows - 1) * stride + n <= weights.len();
+    if out.len() != rows * d_eff || !fits || (rows > 1 && stride < n) {
+        return Err(Error::Shape(format!(
+            "weighted sums of {n} vectors by {rows} rows: {} weights with stride {stride} and \
+             {} outputs for {d_eff} values per row",
+            weights.len(),
+            out.len()
+        )));
+    }
+    #[cfg(target_arch = "x86_64")]
+    if (1..=WEIGHTED_SUMS_ROWS).contains(&rows)
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+    {
+        let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
+        return with_scratch(|s| {
+            component_values(b, metric, fold, &mut s.values, &mut s.offsets)?;
+            outlier_values(b, d_eff, fold, &mut s.outliers)?;
+            let per_vector = check_stream(b, n)?;
+            if s.outliers.iter().any(|&(pos, _)| pos >= n * d_eff) {
+                return Err(Error::Format("outlier position out of range".into()));
+            }
+            let RowBuffers {
+                tail, plan, sums, ..
+            } = &mut s.buffers;
+            if !plan.build(&b.comp_bits, &s.values, &s.offsets, n, per_vector) {
+                return Ok(false);
+            }
+            let m = plan.vectors_within(b.codes.len(), n);
+            let tail_groups = (n - m).div_ceil(8);
+            pad_tail(
+                b.codes,
+                m * per_vector / 8,
+                (tail_groups * 8 * per_vector).div_ceil(8) + 4,
+                tail,
+            );
+            if plan.vectors_within(tail.len(), tail_groups * 8) != tail_groups * 8 {
+                return Ok(false); // not reached: the padding covers every gather of the tail
+            }
+            let runs = sums::CodeRuns {
+                codes: b.codes,
+                groups: m / 8,
+                tail,
+                tail_groups,
+            };
+            let w = sums::Weights {
+                weights,
+                stride,
+                rows,
+                n,
+            };
+            #[allow(unsafe_code)]
+            // SAFETY: AVX2 and FMA were just found; the plan was built from these values for
+            // these codes, `m` is from `vectors_within` on them and the tail's groups on the
+            // padded copy; the rows and lengths were checked above.
+            unsafe {
+                sums::sums(plan, &runs, &s.values, &w, sums, out)
+            };
+            // Each outlier replaces the value its code decodes to.
+            for &(pos, v) in s.outliers.iter() {
+                let (t, j) = (pos / d_eff, pos % d_eff);
+                let code = sums.code(plan, j, t);
+                let delta = v - s.values[s.offsets[j] + code];
+                for r in 0..rows {
+                    let o = &mut out[r * d_eff + j];
+                    *o = weights[r * stride + t].mul_add(delta, *o);
+                }
+            }
+            Ok(true)
+        });
+    }
+    let _ = (metric, weights);
+    Ok(false)
+}
+
+/// The code stream's bits per vector, checked against its length for `n` vectors.
+fn check_stream(b: &WaterfillCodes<'_>, n: usize) -> Result<usize> {
+    let per_vector: usize = b.comp_bits.iter().map(|&v| v as usize).sum();
+    if n.checked_mul(per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
+        return Err(Error::Format(
+            "water-filled code stream has the wrong length".into(),
+        ));
+    }
+    Ok(per_vector)
+}
+
+/// `codes[from..]` into `tail`, zero-padded to at least `len` bytes.
+#[cfg(target_arch = "x86_64")]
+fn pad_tail(codes: &[u8], from: usize, len: usize, tail: &mut Vec<u8>) {
+    let codes = &codes[from..];
+    tail.clear();
+    tail.extend_from_slice(codes);
+    tail.resize(codes.len().max(len), 0);
+}
+
 /// A thread's buffers for decoding a block, kept between blocks: fresh ones per block were
 /// several allocations above glibc's per-thread cache (a block's tables alone are about
 /// 12 KB), whose freed chunks `malloc` then sorted, most of the allocator's 6% of an 8k
@@ -334,6 +452,8 @@ struct RowBuffers {
     rows: Vec<f32>,
     #[cfg(target_arch = "x86_64")]
     plan: gather::Plan,
+    #[cfg(target_arch = "x86_64")]
+    sums: sums::SumsBuffers,
 }
 
 /// A scratch kept past a block only while it is at most this many bytes (a hostile block's
@@ -344,10 +464,15 @@ impl Scratch {
     /// Its vectors' bytes (the gather plan's aside: they are bounded by the head dimension).
     fn bytes(&self) -> usize {
         let r = &self.buffers;
+        #[cfg(target_arch = "x86_64")]
+        let sums = r.sums.bytes();
+        #[cfg(not(target_arch = "x86_64"))]
+        let sums = 0;
         4 * (self.values.capacity() + self.lo.capacity() + self.hi.capacity() + r.rows.capacity())
             + 8 * self.offsets.capacity()
             + 16 * self.outliers.capacity()
             + r.tail.capacity()
+            + sums
     }
 }
 
@@ -428,12 +553,7 @@ fn decode_tables(
             "water-filled block sections disagree with its shape".into(),
         ));
     }
-    let per_vector: usize = b.comp_bits.iter().map(|&v| v as usize).sum();
-    if n.checked_mul(per_vector).map(|t| t.div_ceil(8)) != Some(b.codes.len()) {
-        return Err(Error::Format(
-            "water-filled code stream has the wrong length".into(),
-        ));
-    }
+    let per_vector = check_stream(b, n)?;
     if !gather_rows(b, (n, per_vector), (values, offsets), out, buffers) {
         let joint = if n >= JOINT_MIN_VECTORS {
             JOINT_BITS
@@ -493,7 +613,9 @@ fn gather_rows(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") {
-        let RowBuffers { tail, rows, plan } = buffers;
+        let RowBuffers {
+            tail, rows, plan, ..
+        } = buffers;
         if plan.build(&b.comp_bits, values, offsets, n, per_vector) {
             let d = b.comp_bits.len();
             let m = plan.vectors_within(b.codes.len(), n);
@@ -501,10 +623,12 @@ fn gather_rows(
             // copy of their codes (vector `m`, a multiple of 8, starts on a byte), whole groups
             // of 8 into a scratch of rows.
             let (rest, groups) = (n - m, (n - m).div_ceil(8) * 8);
-            let codes = &b.codes[m * per_vector / 8..];
-            tail.clear();
-            tail.extend_from_slice(codes);
-            tail.resize(codes.len().max((groups * per_vector).div_ceil(8) + 4), 0);
+            pad_tail(
+                b.codes,
+                m * per_vector / 8,
+                (groups * per_vector).div_ceil(8) + 4,
+                tail,
+            );
             if plan.vectors_within(tail.len(), groups) != groups {
                 return false; // not reached: the padding covers every gather of the tail
             }
@@ -673,6 +797,108 @@ mod tests {
                 prop_assert!(stored(lo[j]) && stored(hi[j]), "component {}", j);
             }
         }
+    }
+
+    /// Whether [`weighted_sums`] runs on this CPU (else it declines every block).
+    fn sums_run_here() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Random widths (0..=8: permuted, two-table and gathered codes), codes and outliers,
+        /// 1..300 vectors (partial groups of 8, tails past the stream), 1..=12 rows with a
+        /// stride beyond the block: the sums from the codes are the decoded vectors' weighted
+        /// sums within float32 rounding of their terms (float64 reference).
+        #[test]
+        fn weighted_sums_match_the_decoded_vectors(
+            n in 1usize..300,
+            bits in proptest::collection::vec(prop_oneof![Just(0u8), 1u8..=4, 0u8..=8], 1..40),
+            rows in 1usize..=12,
+            pad in 0usize..5,
+            seed in any::<u64>(),
+            ip in any::<bool>(),
+            with_mean in any::<bool>(),
+        ) {
+            let d = bits.len();
+            let mut g = crate::rng::SplitMix64::new(seed, 3);
+            let sigma: Vec<f16> = (0..d).map(|_| f16::from_f64(g.normal().abs() * 3.0)).collect();
+            let mean: Vec<f32> = (0..d).map(|_| g.normal() as f32 * 10.0).collect();
+            let (codes, outliers) = random_codes(&mut g, &bits, n, 30);
+            let body = WaterfillCodes { sigma, comp_bits: bits, codes: &codes, outliers };
+            let metric = if ip { Metric::InnerProduct } else { Metric::Mse };
+            let mean = with_mean.then_some(&mean[..]);
+            let stride = n + pad;
+            let w: Vec<f32> = (0..rows * stride).map(|_| g.normal().abs() as f32).collect();
+            let mut y = vec![0.0f32; n * d];
+            decode_into(&body, n, d, metric, mean, &mut y).unwrap();
+            let mut out = vec![f32::NAN; rows * d];
+            let ran = weighted_sums(&body, n, d, metric, mean, (&w, stride, rows), &mut out).unwrap();
+            prop_assert_eq!(ran, sums_run_here());
+            if ran {
+                for r in 0..rows {
+                    for j in 0..d {
+                        let terms = (0..n).map(|t| w[r * stride + t] as f64 * y[t * d + j] as f64);
+                        let (want, size) = terms.fold((0.0, 0.0), |(s, a), x| (s + x, a + x.abs()));
+                        let got = out[r * d + j] as f64;
+                        prop_assert!(
+                            (got - want).abs() <= 1e-5 * size + 1e-30,
+                            "row {} component {}: {} against {}", r, j, got, want
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The sums check the block as decoding does: a truncated code stream, an outlier past
+    /// the block and outputs or weights of the wrong size are errors; no rows, or more than
+    /// the kernel takes, leave the block to the decoder.
+    #[test]
+    fn weighted_sums_reject_bad_blocks_and_decline_many_rows() {
+        let (n, bits) = (40usize, vec![3u8, 0, 5, 2]);
+        let d = bits.len();
+        let mut g = crate::rng::SplitMix64::new(9, 3);
+        let (codes, outliers) = random_codes(&mut g, &bits, n, 10);
+        let sigma = vec![f16::from_f32(1.0); d];
+        let body = WaterfillCodes {
+            sigma,
+            comp_bits: bits,
+            codes: &codes,
+            outliers,
+        };
+        let w = vec![0.5f32; 12 * n];
+        let sums = |b: &WaterfillCodes<'_>, rows: usize, out: &mut [f32]| {
+            weighted_sums(b, n, d, Metric::Mse, None, (&w, n, rows), out)
+        };
+        let mut out = vec![0.0f32; 3 * d];
+        assert_eq!(sums(&body, 3, &mut out).unwrap(), sums_run_here());
+        assert!(
+            sums(&body, 3, &mut out[..d]).is_err(),
+            "outputs of the wrong size"
+        );
+        assert!(weighted_sums(&body, n, d, Metric::Mse, None, (&w[..n], n, 3), &mut out).is_err());
+        let short = WaterfillCodes {
+            codes: &codes[..codes.len() - 1],
+            ..body.clone()
+        };
+        if sums_run_here() {
+            assert!(sums(&short, 3, &mut out).is_err(), "a truncated stream");
+            let mut past = body.clone();
+            past.outliers.push(((n * d) as u32, f16::from_f32(1.0)));
+            assert!(
+                sums(&past, 3, &mut out).is_err(),
+                "an outlier past the block"
+            );
+        }
+        assert!(!sums(&body, 0, &mut []).unwrap(), "no rows");
+        let mut many = vec![0.0f32; 13 * d];
+        let w13 = vec![0.5f32; 13 * n];
+        let r = weighted_sums(&body, n, d, Metric::Mse, None, (&w13, n, 13), &mut many);
+        assert!(!r.unwrap(), "13 rows go to the decoder");
     }
 
     /// Blocks of 64 components (every width 0..=8, outliers) and 256, 203 or 5 vectors: the

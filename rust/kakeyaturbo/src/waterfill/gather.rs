@@ -28,26 +28,26 @@ const WORD_BITS: u32 = 25;
 #[derive(Default)]
 pub(super) struct Plan {
     /// Bit offsets within a vector of the words gathered for each group of vectors.
-    bases: Vec<u32>,
-    comps: Vec<Comp>,
+    pub(super) bases: Vec<u32>,
+    pub(super) comps: Vec<Comp>,
     /// 8-entry value tables of the components of up to 4 bits (two for 4 bits).
-    tables: Vec<[f32; 8]>,
-    per_vector: u32,
+    pub(super) tables: Vec<[f32; 8]>,
+    pub(super) per_vector: u32,
     /// A group's gathered words and their in-byte shifts, one per base ([`Plan::rows`]).
     words: Vec<[__m256i; 2]>,
 }
 
 #[derive(Clone, Copy)]
-struct Comp {
+pub(super) struct Comp {
     /// The gathered word (index into `bases`) that holds the code, and the code's bit in it.
-    word: usize,
-    rel: u32,
-    mask: u32,
-    kind: Kind,
+    pub(super) word: usize,
+    pub(super) rel: u32,
+    pub(super) mask: u32,
+    pub(super) kind: Kind,
 }
 
 #[derive(Clone, Copy)]
-enum Kind {
+pub(super) enum Kind {
     /// No bits: this value for every vector.
     Fixed(f32),
     /// Up to 3 bits: `tables[i]`.
@@ -225,7 +225,7 @@ impl Plan {
 
 #[target_feature(enable = "avx")]
 #[inline]
-fn load8(t: &[f32; 8]) -> __m256 {
+pub(super) fn load8(t: &[f32; 8]) -> __m256 {
     // SAFETY: an `[f32; 8]` is 8 readable floats.
     #[allow(unsafe_code)]
     unsafe {
