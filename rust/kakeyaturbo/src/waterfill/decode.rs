@@ -331,8 +331,9 @@ pub fn weighted_sums(
     out: &mut [f32],
 ) -> Result<bool> {
     check_shape(b, d_eff, mean)?;
-    let fits = rows == 0 || (rows - 1) * stride + n <= weights.len();
-    if out.len() != rows * d_eff || !fits || (rows > 1 && stride < n) {
+    let end = |r: usize| r.checked_mul(stride).and_then(|x| x.checked_add(n));
+    let fits = rows == 0 || end(rows - 1).is_some_and(|e| e <= weights.len());
+    if Some(out.len()) != rows.checked_mul(d_eff) || !fits || (rows > 1 && stride < n) {
         return Err(Error::Shape(format!(
             "weighted sums of {n} vectors by {rows} rows: {} weights with stride {stride} and \
              {} outputs for {d_eff} values per row",
@@ -881,6 +882,8 @@ mod tests {
             "outputs of the wrong size"
         );
         assert!(weighted_sums(&body, n, d, Metric::Mse, None, (&w[..n], n, 3), &mut out).is_err());
+        let huge = (&w[..], usize::MAX / 2, 3);
+        assert!(weighted_sums(&body, n, d, Metric::Mse, None, huge, &mut out).is_err());
         let short = WaterfillCodes {
             codes: &codes[..codes.len() - 1],
             ..body.clone()
