@@ -360,22 +360,14 @@ pub fn weighted_sums(
             if !plan.build(&b.comp_bits, &s.values, &s.offsets, n, per_vector) {
                 return Ok(false);
             }
-            let m = plan.vectors_within(b.codes.len(), n);
-            let tail_groups = (n - m).div_ceil(8);
-            pad_tail(
-                b.codes,
-                m * per_vector / 8,
-                (tail_groups * 8 * per_vector).div_ceil(8) + 4,
-                tail,
-            );
-            if plan.vectors_within(tail.len(), tail_groups * 8) != tail_groups * 8 {
-                return Ok(false); // not reached: the padding covers every gather of the tail
-            }
+            let Some((m, rest)) = split_tail(plan, b, (n, per_vector), tail) else {
+                return Ok(false);
+            };
             let runs = sums::CodeRuns {
                 codes: b.codes,
                 groups: m / 8,
                 tail,
-                tail_groups,
+                tail_groups: rest / 8,
             };
             let w = sums::Weights {
                 weights,
@@ -418,13 +410,25 @@ fn check_stream(b: &WaterfillCodes<'_>, n: usize) -> Result<usize> {
     Ok(per_vector)
 }
 
-/// `codes[from..]` into `tail`, zero-padded to at least `len` bytes.
+/// Splits the block's `n` vectors for the gather plan: the first `m` (a multiple of 8) are
+/// read in place, their gathers within the stream; the rest, whose gathers would read past
+/// it, go from a zero-padded copy of their codes in `tail` (vector `m` starts on a byte), in
+/// whole groups of 8. Returns `(m, vectors in tail's groups)`, or None where the padding does
+/// not cover the tail's gathers (not reached: it is sized for them).
 #[cfg(target_arch = "x86_64")]
-fn pad_tail(codes: &[u8], from: usize, len: usize, tail: &mut Vec<u8>) {
-    let codes = &codes[from..];
+fn split_tail(
+    plan: &gather::Plan,
+    b: &WaterfillCodes<'_>,
+    (n, per_vector): (usize, usize),
+    tail: &mut Vec<u8>,
+) -> Option<(usize, usize)> {
+    let m = plan.vectors_within(b.codes.len(), n);
+    let groups = (n - m).div_ceil(8) * 8;
+    let codes = &b.codes[m * per_vector / 8..];
     tail.clear();
     tail.extend_from_slice(codes);
-    tail.resize(codes.len().max(len), 0);
+    tail.resize(codes.len().max((groups * per_vector).div_ceil(8) + 4), 0);
+    (plan.vectors_within(tail.len(), groups) == groups).then_some((m, groups))
 }
 
 /// A thread's buffers for decoding a block, kept between blocks: fresh ones per block were
@@ -619,20 +623,11 @@ fn gather_rows(
         } = buffers;
         if plan.build(&b.comp_bits, values, offsets, n, per_vector) {
             let d = b.comp_bits.len();
-            let m = plan.vectors_within(b.codes.len(), n);
-            // The last vectors, whose gathers would read past the stream, go from a zero-padded
-            // copy of their codes (vector `m`, a multiple of 8, starts on a byte), whole groups
-            // of 8 into a scratch of rows.
-            let (rest, groups) = (n - m, (n - m).div_ceil(8) * 8);
-            pad_tail(
-                b.codes,
-                m * per_vector / 8,
-                (groups * per_vector).div_ceil(8) + 4,
-                tail,
-            );
-            if plan.vectors_within(tail.len(), groups) != groups {
-                return false; // not reached: the padding covers every gather of the tail
-            }
+            // The last vectors go from the padded tail, whole groups of 8 into a scratch of rows.
+            let Some((m, groups)) = split_tail(plan, b, (n, per_vector), tail) else {
+                return false;
+            };
+            let rest = n - m;
             #[allow(unsafe_code)]
             // SAFETY: AVX2 was just found; `m` is from `vectors_within` on these codes and
             // `groups` on `tail`, `out` holds `n x d` values, `rows` `groups x d`, and

@@ -107,17 +107,17 @@ pub(super) unsafe fn sums(
             weights,
             n8,
         };
-        let (t0, t1, vals) = match c.kind {
-            Kind::Fixed(v) => (_mm256_set1_ps(v), _mm256_setzero_ps(), 0),
-            Kind::Permute(i) => (load8(&plan.tables[i]), _mm256_setzero_ps(), 0),
-            Kind::Permute2(i) => (load8(&plan.tables[i]), load8(&plan.tables[i + 1]), 0),
-            Kind::Gather(off) => (_mm256_setzero_ps(), _mm256_setzero_ps(), off),
-        };
-        let kind = match c.kind {
-            Kind::Fixed(_) => FIXED,
-            Kind::Permute(_) => PERMUTE,
-            Kind::Permute2(_) => PERMUTE2,
-            Kind::Gather(_) => GATHER,
+        let zero = _mm256_setzero_ps();
+        let (kind, t0, t1, vals) = match c.kind {
+            Kind::Fixed(v) => (FIXED, _mm256_set1_ps(v), zero, 0),
+            Kind::Permute(i) => (PERMUTE, load8(&plan.tables[i]), zero, 0),
+            Kind::Permute2(i) => (
+                PERMUTE2,
+                load8(&plan.tables[i]),
+                load8(&plan.tables[i + 1]),
+                0,
+            ),
+            Kind::Gather(off) => (GATHER, zero, zero, off),
         };
         let table = Table {
             t0,
