@@ -482,7 +482,8 @@ pub fn layer_weighted_sums(
     out: &mut [f32],
 ) -> Result<bool> {
     let (n, d) = enc.shape();
-    if !(1..=waterfill::WEIGHTED_SUMS_ROWS).contains(&rows) {
+    // Declined before the parse where the kernel does not run: the caller's decode parses.
+    if !(1..=waterfill::weighted_sums_rows()).contains(&rows) {
         return Ok(false);
     }
     let parsed = read_held_layer(enc.as_bytes())?;

@@ -31,7 +31,7 @@ mod gather;
 #[cfg(target_arch = "x86_64")]
 mod sums;
 
-pub use decode::{decode_into, decode_mapped, weighted_sums, WaterfillCodes, WEIGHTED_SUMS_ROWS};
+pub use decode::{decode_into, decode_mapped, weighted_sums, weighted_sums_rows, WaterfillCodes};
 
 /// Largest number of bits one component may take.
 pub const MAX_COMPONENT_BITS: u8 = 8;

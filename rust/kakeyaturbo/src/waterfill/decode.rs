@@ -308,18 +308,23 @@ pub fn decode_mapped<C>(
     })
 }
 
-/// Most query rows [`weighted_sums`] takes (more are cheaper decoded once and then summed).
-#[cfg(target_arch = "x86_64")]
-pub const WEIGHTED_SUMS_ROWS: usize = sums::MAX_ROWS;
-#[cfg(not(target_arch = "x86_64"))]
-pub const WEIGHTED_SUMS_ROWS: usize = 0;
+/// Most query rows [`weighted_sums`] takes on this CPU (more are cheaper decoded once and then
+/// summed): 0 where it does not run (no x86-64 with AVX2 and FMA), so callers can decline a
+/// block before parsing it.
+pub fn weighted_sums_rows() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        return sums::MAX_ROWS;
+    }
+    0
+}
 
 /// The weighted sums `out[r, j] = sum_t w[r, t] y[t, j]` of the block's vectors `y` as
 /// [`decode_into`] decodes them (with `mean`), for `rows` rows of weights, row `r`'s at
 /// `weights[r * stride..][..n]`, read straight from the codes: no decoded vector is written
 /// (`sums.rs`). They agree with decoding and then summing to float32 rounding (the terms are
 /// added in another order). `Ok(false)`, with `out` untouched, where this CPU has no AVX2 and
-/// FMA or `rows` is 0 or above [`WEIGHTED_SUMS_ROWS`]: the caller decodes instead. Checks
+/// FMA or `rows` is 0 or above [`weighted_sums_rows`]: the caller decodes instead. Checks
 /// the block as [`decode_into`] does.
 pub fn weighted_sums(
     b: &WaterfillCodes<'_>,
@@ -342,10 +347,7 @@ pub fn weighted_sums(
         )));
     }
     #[cfg(target_arch = "x86_64")]
-    if (1..=WEIGHTED_SUMS_ROWS).contains(&rows)
-        && is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-    {
+    if (1..=weighted_sums_rows()).contains(&rows) {
         let fold = |j: usize, c: f32| mean.map_or(c, |m| m[j] + c);
         return with_scratch(|s| {
             component_values(b, metric, fold, &mut s.values, &mut s.offsets)?;
@@ -795,14 +797,6 @@ mod tests {
         }
     }
 
-    /// Whether [`weighted_sums`] runs on this CPU (else it declines every block).
-    fn sums_run_here() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        #[cfg(not(target_arch = "x86_64"))]
-        false
-    }
-
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(48))]
         /// Random widths (0..=8: permuted, two-table and gathered codes), codes and outliers,
@@ -833,7 +827,7 @@ mod tests {
             decode_into(&body, n, d, metric, mean, &mut y).unwrap();
             let mut out = vec![f32::NAN; rows * d];
             let ran = weighted_sums(&body, n, d, metric, mean, (&w, stride, rows), &mut out).unwrap();
-            prop_assert_eq!(ran, sums_run_here());
+            prop_assert_eq!(ran, weighted_sums_rows() > 0);
             if ran {
                 for r in 0..rows {
                     for j in 0..d {
@@ -871,7 +865,10 @@ mod tests {
             weighted_sums(b, n, d, Metric::Mse, None, (&w, n, rows), out)
         };
         let mut out = vec![0.0f32; 3 * d];
-        assert_eq!(sums(&body, 3, &mut out).unwrap(), sums_run_here());
+        assert_eq!(
+            sums(&body, 3, &mut out).unwrap(),
+            (weighted_sums_rows() > 0)
+        );
         assert!(
             sums(&body, 3, &mut out[..d]).is_err(),
             "outputs of the wrong size"
@@ -883,7 +880,7 @@ mod tests {
             codes: &codes[..codes.len() - 1],
             ..body.clone()
         };
-        if sums_run_here() {
+        if weighted_sums_rows() > 0 {
             assert!(sums(&short, 3, &mut out).is_err(), "a truncated stream");
             let mut past = body.clone();
             past.outliers.push(((n * d) as u32, f16::from_f32(1.0)));
