@@ -11,11 +11,18 @@ the parts of the cache's path named in ``PARTS`` (a part's time includes the par
 ``_joint_logits`` includes ``key_logits``). Prints milliseconds per step; ``vs dyn`` is
 DynamicCache's step over the cache's within the repetition (only ratios in one run mean
 anything on a shared machine).
+
+Each step's process CPU (every thread's, ``time.process_time``) is printed beside its wall
+time, with the best ratio to DynamicCache that any schedule of the cache's work could reach on
+this process's cores (its CPU a step spread evenly over them, against DynamicCache's wall
+time): a bound the wall-time ratio cannot pass without fewer operations. Spinning OpenMP
+workers count as CPU; run with ``OMP_WAIT_POLICY=PASSIVE`` when torch has several threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from contextlib import contextmanager
 
@@ -76,19 +83,20 @@ def timers(seconds: dict):
 
 
 @torch.inference_mode()
-def time_steps(model, ids, ctx: int, steps: int, cache) -> tuple[float, dict]:
+def time_steps(model, ids, ctx: int, steps: int, cache) -> tuple[float, float, dict]:
     """Prefill ``ctx`` tokens into ``cache``, two untimed steps, then ``steps`` timed ones:
-    (ms per step, ms per step of each part)."""
+    (wall ms per step, the process's CPU ms per step, ms per step of each part)."""
     model(ids[:, :ctx], **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
     for i in range(ctx, ctx + 2):
         model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
     seconds: dict = {}
     with timers(seconds):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for i in range(ctx + 2, ctx + 2 + steps):
             model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True)
-        total = time.perf_counter() - start
-    return total / steps * 1e3, {k: v / steps * 1e3 for k, v in seconds.items()}
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu
+    per_step = {k: v / steps * 1e3 for k, v in seconds.items()}
+    return total / steps * 1e3, cpu / steps * 1e3, per_step
 
 
 def main() -> None:
@@ -102,24 +110,28 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    cores = len(os.sched_getaffinity(0))
     model, tok = load_model(args.model)
     need = args.context + 2 + args.steps
     ids = tokenize_text(tok, read_text(args.text))[:need][None]
     print(
         f"model {args.model}, context {args.context}, torch threads {args.threads}, "
-        f"bundle {args.calibration}, {args.steps} steps per repetition"
+        f"bundle {args.calibration}, {args.steps} steps per repetition, {cores} cores, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
     )
     for rep in range(args.reps):
-        dyn, dyn_parts = time_steps(
+        dyn, dyn_cpu, dyn_parts = time_steps(
             model, ids, args.context, args.steps, DynamicCache(config=model.config)
         )
         cache = KakeyaCache.from_model(
             model, calibration=args.calibration, hot_dtype=torch.bfloat16
         )
-        step, parts = time_steps(model, ids, args.context, args.steps, cache)
+        step, cpu, parts = time_steps(model, ids, args.context, args.steps, cache)
         print(
-            f"rep {rep}: DynamicCache step {dyn:.1f} ms (attention {sum(dyn_parts.values()):.1f}); "
-            f"KakeyaCache step {step:.1f} ms, vs dyn {dyn / step:.2f}x"
+            f"rep {rep}: DynamicCache step {dyn:.1f} ms (attention {sum(dyn_parts.values()):.1f}, "
+            f"CPU {dyn_cpu:.1f}); KakeyaCache step {step:.1f} ms (CPU {cpu:.1f}), "
+            f"vs dyn {dyn / step:.2f}x; its CPU {cpu / dyn_cpu:.2f}x DynamicCache's, so at "
+            f"best {dyn / (cpu / cores):.2f}x on {cores} cores"
         )
         for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"    {name:32s} {ms:7.1f} ms")
