@@ -362,14 +362,14 @@ pub fn weighted_sums(
             if !plan.build(&b.comp_bits, &s.values, &s.offsets, n, per_vector) {
                 return Ok(false);
             }
-            let Some((m, rest)) = split_tail(plan, b, (n, per_vector), tail) else {
+            let Some((m, groups)) = split_tail(plan, b, (n, per_vector), tail) else {
                 return Ok(false);
             };
             let runs = sums::CodeRuns {
                 codes: b.codes,
                 groups: m / 8,
                 tail,
-                tail_groups: rest / 8,
+                tail_groups: groups / 8,
             };
             let w = sums::Weights {
                 weights,
