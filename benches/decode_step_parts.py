@@ -110,7 +110,8 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    cores = len(os.sched_getaffinity(0))
+    # The cores this process may run on (Linux); elsewhere every core the machine has.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     model, tok = load_model(args.model)
     need = args.context + 2 + args.steps
     ids = tokenize_text(tok, read_text(args.text))[:need][None]
