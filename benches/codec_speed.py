@@ -6,7 +6,7 @@ head_dim 64 and 128, block 512, bit widths 2/3/4 (k=16, metric mse, other defaul
 * ``rust batch``  ``kt.encode_batch`` / ``kt.decode_batch`` on ``[streams, tokens, D]``
   (streams in parallel on all cores, GIL released);
 * ``rust 1x``     ``kt.encode_layer`` / ``kt.decode_layer`` on one ``[tokens, D]`` stream;
-* ``numpy ref``   ``tests/numpy_reference.py`` on one ``[tokens, D]`` stream (a testing and
+* ``numpy ref``   ``tests/support/numpy_reference.py`` on one ``[tokens, D]`` stream (a testing and
   benchmarking reference, not a product path), one BLAS thread unless
   ``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS`` say otherwise;
 * ``memcpy``      ``np.copy`` of the whole ``[streams, tokens, D]`` array: the ceiling.

@@ -30,8 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from bench_args import add_model_and_text  # benches/, beside this script
-from kakeyaturbo._triton import checked_kernels
 from kakeyaturbo.calibration import Calibration
+from kakeyaturbo.gpu.triton_support import checked_kernels
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 

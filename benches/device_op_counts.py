@@ -46,8 +46,8 @@ from kakeyaturbo import (  # noqa: E402
     fused_joint_attend,
     fused_norm_encode,
 )
-from kakeyaturbo._triton import checked_kernels  # noqa: E402
 from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.gpu.triton_support import checked_kernels  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, hot_window, int8_rows  # noqa: E402
 from kakeyaturbo.hf.layer import DEFERRED_FLUSH_BYTES  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402

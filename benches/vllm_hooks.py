@@ -1,4 +1,4 @@
-"""The vLLM hooks end to end on the reference model in vLLM's layout (tests/vllm_layout.py):
+"""The vLLM hooks end to end on the reference model in vLLM's layout (tests/support/vllm_layout.py):
 top-1 agreement and KL of teacher-forced decode steps against the exact model, the codec's
 bytes, and the hooks' time (codec, host transfers) against the exact forward's, per hook
 configuration, all measured in one run on this machine's CPU.
@@ -26,10 +26,11 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
+from vllm_layout import Engine, LlamaForCausalLM  # noqa: E402
+
 from kakeyaturbo.capture import read_tokens  # noqa: E402
 from kakeyaturbo.modeling import load_model, resolve_model_dir  # noqa: E402
 from kakeyaturbo.vllm import VLLMHookConfig, install_hooks  # noqa: E402
-from vllm_layout import Engine, LlamaForCausalLM  # noqa: E402
 
 
 def run(model, seqs, prompt, decode):

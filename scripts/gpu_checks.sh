@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks a CUDA machine runs first (docs/speed.md): the compiled Triton kernels and the GPU
-# paths against torch (tests/test_cuda.py), then a decode step of SmolLM2 at 4k and 8k beside
+# paths against torch (tests/gpu/test_cuda.py), then a decode step of SmolLM2 at 4k and 8k beside
 # DynamicCache's, with the kernels and without (KAKEYATURBO_TRITON=0), then generate there
 # (benches/hf_generate.py). Output in $OUT (default .gpu/out). On a machine without network,
 # stage the inputs with scripts/gpu_stage.sh and carry them in three calls on one warm machine,
@@ -42,7 +42,7 @@ setup() {
 
 tests() {
   nvidia-smi -L | tee "$OUT/device.txt"
-  python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_cuda.py -v -rs 2>&1 |
+  python3 -m pytest -q -p no:cacheprovider -p no:benchmark tests/gpu/test_cuda.py -v -rs 2>&1 |
     tee "$OUT/test_cuda.txt" | grep -E "PASSED|FAILED|SKIPPED|passed|failed" || true
 }
 

@@ -31,7 +31,7 @@ def _floats(text: str) -> list[float]:
 
 
 # One flag per CodecParams field, in the core's order; the defaults are the core's
-# (`_core.codec_params_defaults()`), and tests/test_params_defaults.py checks that these
+# (`_core.codec_params_defaults()`), and tests/unit/test_params_defaults.py checks that these
 # names are exactly its fields.
 _PARAM_FLAGS: dict[str, tuple[Any, str]] = {
     # name: (type, help); bool is an on-switch

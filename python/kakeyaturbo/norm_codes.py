@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import fused_decode, fused_norm_encode
 from ._runs import equal_runs
+from .gpu import fused_decode, fused_norm_encode
 
 __all__ = ["NormCodes", "StackedNorms", "decode_norms", "encode_norms", "scaled_norms"]
 

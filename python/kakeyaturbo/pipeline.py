@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from . import codec as _codec
-from . import device_encode
 from ._arrays import bf16_bits
 from ._runs import equal_runs
-from .device_decode import DeviceBlocks
+from .gpu import device_encode
+from .gpu.device_decode import DeviceBlocks
 from .norm_codes import NormCodes, StackedNorms, decode_norms, encode_norms, scaled_norms
 from .recipes import MAX_BITS, Recipe
 

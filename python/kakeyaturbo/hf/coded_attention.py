@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from .. import fused_attention, fused_joint_attend
-from ..device_decode import DeviceBlocks
+from ..gpu import fused_attention, fused_joint_attend
+from ..gpu.device_decode import DeviceBlocks
 from ..pipeline import BlockRun
 from . import int8_rows
 from .same_tensors import same

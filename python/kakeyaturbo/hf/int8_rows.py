@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _core, fused_int8_rows
+from .. import _core
+from ..gpu import fused_int8_rows
 
 #: Bytes each row carries beyond its ``D`` codes (the bfloat16 scale).
 SCALE_BYTES = 2

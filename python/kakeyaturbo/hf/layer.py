@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .. import device_decode
+from ..gpu import device_decode
 from ..pipeline import CodedBlock, Pipeline
 from . import heap, int8_rows
 from ._compat import CacheLayerMixin

@@ -22,8 +22,9 @@ from .config import CONFIG_ENV, VLLMHookConfig
 from .hooks import PRE_ROPE_FAMILIES, KakeyaVLLMHooks, install_hooks, layer_index
 from .plugin import config_from_env, installed_hooks, register, worker_stats
 
-#: The vLLM release whose installed source tests/test_vllm_contract.py checked the hooks against
-#: (class paths, forward bodies, plugin API); the newest that installs on Python 3.11.
+#: The vLLM release whose installed source tests/integration/test_vllm_contract.py checked
+#: the hooks against (class paths, forward bodies, plugin API); the newest that installs on
+#: Python 3.11.
 VLLM_VERSION = "0.32.0"
 
 __all__ = [

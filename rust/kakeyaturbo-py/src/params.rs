@@ -1,7 +1,7 @@
 //! `CodecParams`: an immutable, validated Python view of the core parameters.
 //!
 //! The core's `CodecParams::default()` is the one source of the defaults:
-//! `codec_params_defaults()` returns it as a dict, and `tests/test_params_defaults.py`
+//! `codec_params_defaults()` returns it as a dict, and `tests/unit/test_params_defaults.py`
 //! checks the constructor's signature, `to_dict()`, the stub and the `bench` flags against
 //! it. The constructor builds the core struct whole and `to_dict` destructures it whole, so
 //! a core field missing from either does not compile.
