@@ -9,7 +9,7 @@ Between two layers' calls: nothing (``warm``), a 2 ms ``time.sleep`` (``sleep``)
 busy-wait in Python (``spin``), or two MLP forwards of the model (``mlp``, which also pushes
 the codes out of the caches). Each line is the best of ``--reps`` sums of the calls' own times
 (the work between is not counted): how far a call slows down when it does not follow another
-one. ``docs/speed.md`` ("the caller works too") has what it showed and why.
+one. ``docs/performance.md`` has what it showed and why.
 """
 
 from __future__ import annotations

@@ -48,14 +48,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import kakeyaturbo
 import kakeyaturbo.hf.coded_attention as coded_attention
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions
 from kakeyaturbo.hf.attention import NAME as KAKEYA_ATTENTION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 from kakeyaturbo.recipes import default_recipe
 
 # The precisions' short names in path names.
 PRECISIONS = {"float32": "f32", "int16": "int16", "bfloat16": "bf16"}
-DEFAULT_PRECISION = KakeyaCache.__init__.__kwdefaults__["attention_precision"]
+DEFAULT_PRECISION = KakeyaOptions().attention_precision
 # name: (WHOLE_ATTENTION_ROWS, whether the codec runs on torch's threads, attention_precision,
 # prepare_keys_ahead)
 PATHS = {

@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 import kakeyaturbo as kt  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import numpy_reference as ref  # noqa: E402
 
 HEAD_DIMS = (64, 128)
@@ -69,6 +69,17 @@ def best_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return best, result
 
 
+def encode_decode(bar, label: str, encode, args: tuple, decode, mb: float, repeats: int):
+    """``(encode MB/s, decode MB/s, encoding, decoded)`` of ``decode(encode(*args))``, each the
+    best of ``repeats`` calls; one progress step each."""
+    bar.set_postfix_str(label)
+    t_enc, enc = best_time(lambda: encode(*args), repeats)
+    bar.update(1)
+    t_dec, y = best_time(lambda: decode(enc), repeats)
+    bar.update(1)
+    return mb / t_enc, mb / t_dec, enc, y
+
+
 def rel_err(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.linalg.norm(x - y) / np.linalg.norm(x))
 
@@ -90,32 +101,19 @@ def run(tokens: int, streams: int, repeats: int) -> list[dict]:
             row: dict = {"head_dim": d, "bit_width": b, "memcpy": mb3 / t_copy}
             bar.update(1)
 
-            bar.set_postfix_str(f"D={d} b={b} rust batch")
-            t, encs = best_time(lambda p=p, x3=x3: kt.encode_batch(x3, p), repeats)
-            row["rust_batch_enc"] = mb3 / t
-            bar.update(1)
-            t, y3 = best_time(lambda encs=encs: kt.decode_batch(encs), repeats)
-            row["rust_batch_dec"] = mb3 / t
+            at = f"D={d} b={b}"
+            row["rust_batch_enc"], row["rust_batch_dec"], encs, y3 = encode_decode(
+                bar, f"{at} rust batch", kt.encode_batch, (x3, p), kt.decode_batch, mb3, repeats
+            )
             row["rust_rel_err"] = rel_err(x3, y3)
             row["bits_per_value"] = 8 * sum(e.nbytes for e in encs) / x3.size
-            bar.update(1)
-
-            bar.set_postfix_str(f"D={d} b={b} rust 1x")
-            t, enc = best_time(lambda p=p, x1=x1: kt.encode_layer(x1, p), repeats)
-            row["rust_1x_enc"] = mb1 / t
-            bar.update(1)
-            t, _ = best_time(lambda enc=enc: kt.decode_layer(enc), repeats)
-            row["rust_1x_dec"] = mb1 / t
-            bar.update(1)
-
-            bar.set_postfix_str(f"D={d} b={b} numpy ref")
-            t, renc = best_time(lambda p=p, x1=x1: ref.encode_layer(x1, p), repeats)
-            row["ref_enc"] = mb1 / t
-            bar.update(1)
-            t, y1 = best_time(lambda renc=renc: ref.decode_layer(renc), repeats)
-            row["ref_dec"] = mb1 / t
+            row["rust_1x_enc"], row["rust_1x_dec"], _, _ = encode_decode(
+                bar, f"{at} rust 1x", kt.encode_layer, (x1, p), kt.decode_layer, mb1, repeats
+            )
+            row["ref_enc"], row["ref_dec"], _, y1 = encode_decode(
+                bar, f"{at} numpy ref", ref.encode_layer, (x1, p), ref.decode_layer, mb1, repeats
+            )
             row["ref_rel_err"] = rel_err(x1, y1)
-            bar.update(1)
             rows.append(row)
     bar.close()
     return rows

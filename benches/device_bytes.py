@@ -4,10 +4,10 @@ measured on the CPU with attention off the CPU kernels, as on a GPU.
     python benches/device_bytes.py --calibration artifacts/calib-smollm2-joint-both
 
 Two layouts of the same blocks, each filled with the same prompt and then two decode steps:
-``host + copy`` (before the 35th session: the codec's blocks on the host, and attention's copy
-of them on the device, ``device_copy_bytes``), made here by filling the cache with the CPU
-kernels and attending off them afterwards; and ``device only`` (now: the blocks held on the
-device alone). Both attend with the same torch path over the same packed codes, so their last
+``host + copy`` (the codec's blocks on the host, and attention's copy of them on the device,
+``device_copy_bytes``), made here by filling the cache with the CPU kernels and attending off
+them afterwards; and ``device only`` (the default: the blocks held on the device alone).
+Both attend with the same torch path over the same packed codes, so their last
 logits must be equal: the bench says so. Results: reports/device_bytes.txt.
 """
 

@@ -38,18 +38,25 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from bench_args import add_model_and_text  # noqa: E402  (benches/, beside this script)
-from kakeyaturbo import (  # noqa: E402
+from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.gpu import (  # noqa: E402
+    encode_kernels,
     fused_attention,
     fused_decode,
-    fused_encode,
     fused_int8_rows,
-    fused_joint_attend,
     fused_norm_encode,
+    joint_attend_kernels,
 )
-from kakeyaturbo.calibration import Calibration  # noqa: E402
 from kakeyaturbo.gpu.triton_support import checked_kernels  # noqa: E402
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention, hot_window, int8_rows  # noqa: E402
-from kakeyaturbo.hf.layer import DEFERRED_FLUSH_BYTES  # noqa: E402
+from kakeyaturbo.hf import (  # noqa: E402
+    CACHE_ARG,
+    KakeyaCache,
+    KakeyaOptions,
+    coded_attention,
+    hot_window,
+    int8_rows,
+)
+from kakeyaturbo.hf.context import DEFERRED_FLUSH_BYTES  # noqa: E402
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text  # noqa: E402
 
 NO_WORK = re.compile(
@@ -63,17 +70,17 @@ NO_WORK = re.compile(
 MAYBE_NOTHING = re.compile(r"aten\.(to|reshape|contiguous|type_as)\.")
 # (module, its Triton kernel)
 KERNELS = (
-    (fused_decode, "_decode_kernel"),
-    (fused_decode, "_norms_kernel"),
-    (fused_encode, "_plan_kernel"),
-    (fused_encode, "_codes_kernel"),
-    (fused_encode, "_totals_kernel"),
-    (fused_encode, "_outliers_kernel"),
-    (fused_norm_encode, "_norm_codes_kernel"),
-    (fused_attention, "_key_logits_kernel"),
-    (fused_int8_rows, "_encode_kernel"),
-    (fused_joint_attend, "_partials_kernel"),
-    (fused_joint_attend, "_combine_kernel"),
+    (fused_decode, "decode_kernel"),
+    (fused_decode, "norms_kernel"),
+    (encode_kernels, "plan_kernel"),
+    (encode_kernels, "codes_kernel"),
+    (encode_kernels, "totals_kernel"),
+    (encode_kernels, "outliers_kernel"),
+    (fused_norm_encode, "norm_codes_kernel"),
+    (fused_attention, "key_logits_kernel"),
+    (fused_int8_rows, "encode_kernel"),
+    (joint_attend_kernels, "partials_kernel"),
+    (joint_attend_kernels, "combine_kernel"),
 )
 
 
@@ -243,7 +250,7 @@ def main() -> None:
                 model,
                 calibration=bundle,
                 hot_dtype=torch.bfloat16,
-                flush_together_bytes=int(args.flush_together_mib * 2**20),
+                options=KakeyaOptions(flush_together_bytes=int(args.flush_together_mib * 2**20)),
             )
         run(model, ids, args.context, cache, counts, launches)
         own = sum(n for site, n in counts.sites.items() if site != "model")

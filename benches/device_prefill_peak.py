@@ -1,6 +1,6 @@
 """Peak memory of a prompt's prefill where the cache codes and holds its blocks on the model's
 device, as on a GPU, simulated on the CPU: layers flushed together at the forward's end
-(``KakeyaCache(flush_together_bytes=...)``) against each layer flushed alone, beside
+(``KakeyaOptions(flush_together_bytes=...)``) against each layer flushed alone, beside
 DynamicCache, each measured in a fresh process.
 
     .venv/bin/python benches/device_prefill_peak.py --calibration artifacts/calib-smollm2-joint-both
@@ -44,7 +44,7 @@ def child(args) -> dict:
     from transformers import DynamicCache
 
     from kakeyaturbo.calibration import Calibration
-    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
+    from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions, coded_attention
     from kakeyaturbo.modeling import load_model, read_text, tokenize_text
 
     torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def child(args) -> dict:
             model,
             calibration=bundle,
             hot_dtype=torch.bfloat16,
-            flush_together_bytes=int(float(args.child) * 2**20),
+            options=KakeyaOptions(flush_together_bytes=int(float(args.child) * 2**20)),
         )
 
     with torch.inference_mode():

@@ -135,9 +135,7 @@ def quantized_backend(model, ids) -> tuple[str | None, str]:
         try:
             cache = QuantizedCache(backend=backend, config=model.config, nbits=4)
             with torch.inference_mode():
-                model.generate(
-                    ids[:, :40], **{CACHE_ARG: cache}, max_new_tokens=2, do_sample=False
-                )
+                model.generate(ids[:, :40], **{CACHE_ARG: cache}, max_new_tokens=2, do_sample=False)
             return backend, ""
         except Exception as exc:  # noqa: BLE001 - report any backend failure and move on
             errors.append(f"{backend}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
@@ -166,10 +164,8 @@ def run(model, ids, make_cache, new_tokens: int, follow: torch.Tensor | None = N
     prefill = clock.stamps[0] - start
     decode_tps = (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0])
     peak = peak_rss_bytes() - base if base else 0
-    return (
-        out[0, ids.shape[1] :], torch.stack(clock.logprobs), prefill, decode_tps,
-        held_bytes(cache), cache, peak,
-    )
+    lp = torch.stack(clock.logprobs)
+    return out[0, ids.shape[1] :], lp, prefill, decode_tps, held_bytes(cache), cache, peak
 
 
 def rotations(methods: list, rounds: int) -> list:
@@ -231,12 +227,15 @@ def kakeya_options(model, calibration: Path | None, hot_dtype: str) -> dict:
 
 
 def kakeya_factory(model, budget_bytes: int, coded: bool, options: dict):
-    from kakeyaturbo.hf import KakeyaCache
+    from dataclasses import replace
+
+    from kakeyaturbo.hf import KakeyaCache, KakeyaOptions
+
+    speed = replace(options.get("options", KakeyaOptions()), decoded_cache_bytes=budget_bytes)
+    kwargs = {**options, "options": speed}
 
     def make():
-        return KakeyaCache.from_model(
-            model, decoded_cache_bytes=budget_bytes, coded_attention=coded, **options
-        )
+        return KakeyaCache.from_model(model, coded_attention=coded, **kwargs)
 
     return make
 
@@ -255,7 +254,6 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--calibration",
         type=Path,
-        default=None,
         help="calibration bundle for KakeyaCache (default: none, the self-calibrated recipe)",
     )
     ap.add_argument(
@@ -288,22 +286,13 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--attention-precision",
         choices=["bfloat16", "float32", "int16"],
-        default=None,
         help="KakeyaCache's attention_precision: the key frame product's arithmetic on the CPU "
         "(default: the cache's default; int16 and bfloat16 where the CPU multiplies them "
         "natively, float32 elsewhere)",
     )
+    ap.add_argument("--residual-length", type=int, help="KakeyaCache's hot window (default: its)")
     ap.add_argument(
-        "--residual-length",
-        type=int,
-        default=None,
-        help="KakeyaCache's hot window (default: the cache's default)",
-    )
-    ap.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="KakeyaCache's block size (the default recipe's otherwise)",
+        "--block-size", type=int, help="KakeyaCache's block size (default: the recipe's)"
     )
     ap.add_argument(
         "--post-rope",
@@ -341,7 +330,7 @@ def main(argv=None) -> None:
     from transformers import DynamicCache, QuantizedCache
 
     import kakeyaturbo as kt
-    from kakeyaturbo.hf import KakeyaCache
+    from kakeyaturbo.hf import KakeyaCache, KakeyaOptions
     from kakeyaturbo.modeling import kv_geometry, load_model
     from kakeyaturbo.recipes import default_recipe
 
@@ -364,7 +353,7 @@ def main(argv=None) -> None:
     if args.int8_hot_values is not None:
         options["int8_hot_values"] = args.int8_hot_values
     if args.attention_precision is not None:
-        options["attention_precision"] = args.attention_precision
+        options["options"] = KakeyaOptions(attention_precision=args.attention_precision)
     if args.post_rope:
         options["pre_rope"] = False
     probe = KakeyaCache(model.config, **options)  # what the caches use
@@ -432,9 +421,7 @@ def main(argv=None) -> None:
                     run(model, ids, make, args.new_tokens, ref)
                 else:
                     run(model, ids[:, :64], make, 2)
-            gen, lp, prefill, tps, nbytes, cache, peak = run(
-                model, ids, make, args.new_tokens, ref
-            )
+            gen, lp, prefill, tps, nbytes, cache, peak = run(model, ids, make, args.new_tokens, ref)
             if ref is None:
                 ref, ref_lp, dense = gen, lp, nbytes
             if name not in seen:
@@ -453,14 +440,8 @@ def main(argv=None) -> None:
         dyn = seen["DynamicCache"]
         for name, _ in methods:
             m = seen[name]
-            m["ratios"] = per_round(m["tps"], dyn["tps"])
-            rows.append(
-                (
-                    ctx, name, median(m["prefill"]), median(m["tps"]), median(m["ratios"]),
-                    m["nbytes"], dense * to_bf16 / m["nbytes"], m["top1"], m["kl"], m["peak"],
-                    m["note"], m,
-                )
-            )
+            m.update(ratios=per_round(m["tps"], dyn["tps"]), vs_bf16=dense * to_bf16 / m["nbytes"])
+            rows.append((ctx, name, m))
 
     print()
     head = (
@@ -469,10 +450,11 @@ def main(argv=None) -> None:
     )
     print(head)
     print("-" * len(head))
-    for ctx, name, prefill, tps, speed, nbytes, ratio, top1, kl, peak, note, _ in rows:
+    for ctx, name, m in rows:
         print(
-            f"{ctx:5d} {name:28s} {prefill:9.3f} {tps:12.1f} {speed:7.2f} "
-            f"{nbytes / 2**20:8.2f} {ratio:8.2f} {top1:6.3f} {kl:8.2e} {peak / 2**20:8.1f}  {note}"
+            f"{ctx:5d} {name:28s} {median(m['prefill']):9.3f} {median(m['tps']):12.1f} "
+            f"{median(m['ratios']):7.2f} {m['nbytes'] / 2**20:8.2f} {m['vs_bf16']:8.2f} "
+            f"{m['top1']:6.3f} {m['kl']:8.2e} {m['peak'] / 2**20:8.1f}  {m['note']}"
         )
     print(
         "\nvs bf16 = DynamicCache's KV bytes in bf16 / method bytes (same tokens); "
@@ -489,18 +471,18 @@ def main(argv=None) -> None:
         )
         for r in rows:
             if r[1] != "DynamicCache":
-                each = " ".join(f"{x:.2f}" for x in r[-1]["ratios"])
+                each = " ".join(f"{x:.2f}" for x in r[2]["ratios"])
                 print(f"ctx {r[0]}: {r[1]}: vs DynamicCache {each}")
     for ctx in args.contexts:
         q = next((r for r in rows if r[0] == ctx and r[1].startswith("QuantizedCache")), None)
         if q is None:
             continue
         for r in (r for r in rows if r[0] == ctx and r[1].startswith("kakeya")):
-            each = per_round(r[-1]["tps"], q[-1]["tps"])
+            each = per_round(r[2]["tps"], q[2]["tps"])
             rounds = f" (each round: {' '.join(f'{x:.2f}' for x in each)})" if len(each) > 1 else ""
             print(
                 f"ctx {ctx}: {r[1]}: {median(each):.2f}x QuantizedCache's decode tok/s{rounds}, "
-                f"{r[6]:.2f}x fewer bytes than bf16 vs its {q[6]:.2f}x"
+                f"{r[2]['vs_bf16']:.2f}x fewer bytes than bf16 vs its {q[2]['vs_bf16']:.2f}x"
             )
 
 

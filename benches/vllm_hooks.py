@@ -64,8 +64,10 @@ def main(argv=None) -> int:
     _, tok = load_model(model_dir)
     need = args.prompt + args.decode
     batches = [
-        [read_tokens(tok, args.text, need, offset_chars=40_000 * (2 * p + j) + 5_000)
-         for j in range(2)]
+        [
+            read_tokens(tok, args.text, need, offset_chars=40_000 * (2 * p + j) + 5_000)
+            for j in range(2)
+        ]
         for p in range(args.passages)
     ]
     configs = {
@@ -98,18 +100,20 @@ def main(argv=None) -> int:
         st = hooks.stats()
         hooks.remove()
         n = len(batches)
-        rows.append({
-            "config": name,
-            "top1": top1 / n,
-            "kl": kl / n,
-            "ratio_vs_bf16": st["ratio_vs_bf16"],
-            "coded_tokens": st["coded_tokens"],
-            "encoded_bytes": st["encoded_bytes"],
-            "codec_seconds": st["codec_seconds"],
-            "transfer_seconds": st["d2h_seconds"] + st["h2d_seconds"],
-            "seconds": seconds,
-            "slowdown_vs_exact": seconds / exact_s,
-        })
+        rows.append(
+            {
+                "config": name,
+                "top1": top1 / n,
+                "kl": kl / n,
+                "ratio_vs_bf16": st["ratio_vs_bf16"],
+                "coded_tokens": st["coded_tokens"],
+                "encoded_bytes": st["encoded_bytes"],
+                "codec_seconds": st["codec_seconds"],
+                "transfer_seconds": st["d2h_seconds"] + st["h2d_seconds"],
+                "seconds": seconds,
+                "slowdown_vs_exact": seconds / exact_s,
+            }
+        )
     lines = [
         f"{args.passages} passages x 2 sequences, {args.prompt}-token prompts prefilled in one "
         f"forward, {args.decode} teacher-forced decode steps; CPU, 1 torch thread",
@@ -125,9 +129,16 @@ def main(argv=None) -> int:
         cmd = "python benches/vllm_hooks.py " + " ".join(argv if argv is not None else sys.argv[1:])
         txt = Path(args.out).with_suffix(".txt")
         txt.write_text(f"# Output of: {cmd.strip()}\n\n" + "\n".join(lines) + "\n")
-        meta = {"command": cmd.strip(), "passages": args.passages, "prompt": args.prompt,
-                "decode": args.decode, "sequences_per_passage": 2, "exact_seconds": exact_s,
-                "device": "cpu", "torch_threads": 1}
+        meta = {
+            "command": cmd.strip(),
+            "passages": args.passages,
+            "prompt": args.prompt,
+            "decode": args.decode,
+            "sequences_per_passage": 2,
+            "exact_seconds": exact_s,
+            "device": "cpu",
+            "torch_threads": 1,
+        }
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a CUDA machine runs first (docs/speed.md): the compiled Triton kernels and the GPU
+# The checks a CUDA machine runs first (docs/performance.md): the compiled Triton kernels and the GPU
 # paths against torch (tests/gpu/test_cuda.py), then a decode step of SmolLM2 at 4k and 8k beside
 # DynamicCache's, with the kernels and without (KAKEYATURBO_TRITON=0), then generate there
 # (benches/hf_generate.py). Output in $OUT (default .gpu/out). On a machine without network,

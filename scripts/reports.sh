@@ -5,7 +5,7 @@
 # against every peer with nothing exact but 4 sinks, the same sweep with the protocol the
 # product ships (4 sinks and the last 32 tokens exact for every method alike), in-forward runs
 # (plain, and with each query's newest 128 tokens exact), the copying test, K/V attribution,
-# the per-head bundle (the default before docs/recipe.md item 11) and the output-weighted value
+# the per-head bundle (the speed option, docs/recipe.md item 11) and the output-weighted value
 # frame beside it, one frame across heads with the snapshot scan alone, 64 passages of the
 # per-head bundle and its 4-bit peers, and reports/README.md. About 2 hours on 2 cores with no
 # bundle fitted yet, 80 minutes with them.
@@ -17,11 +17,11 @@ EVAL=${EVAL:-../shared/data/wikitext-2-raw-test.txt}
 CALIB_TEXT=${CALIB_TEXT:-../shared/data/calibration-text.txt}
 SMALL=${SMALL:-../shared/models/kt-ref-a}
 C=artifacts/calib-smollm2-joint-both
-# Per-head frames with the snapshot scan alone: the default bundle before item 11.
+# Per-head frames with the snapshot scan alone: the speed option (docs/recipe.md item 11).
 CP=artifacts/calib-smollm2
 # The bundles kept for comparison (per-head, output-weighted values, joint with the snapshot
-# scan) run at 2.5 bits, the calibrated default rate when they were measured (2.6 since the
-# 18th session; the JSONs made before it name them without the rate).
+# scan) run at 2.5 bits, so they compare at one rate with each other (the default bundle runs
+# at 2.6; its JSONs name no rate).
 AT_2P5=bits_per_value=2.5
 COMMON=(--model "$MODEL" --text "$EVAL" --ctx 960 --n-eval 64 --passages 16 --no-progress)
 # kakeya points: the self-calibrated default, then the calibrated recipe at several rates.

@@ -109,3 +109,23 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory):
     cache = tmp_path_factory.mktemp("kakeyaturbo-cache")
     yield resolve_model_dir(smollm2_gguf, cache=cache)
     shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    """kt-ref-a as transformers loads it, in eval mode, once per test module (a module that
+    defines its own ``model`` fixture uses that one)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def wikitext_ids(model_dir, eval_text):
+    """``ids(start, stop)``: kt-ref-a's token ids ``[1, n]`` of WikiText-2 test's characters
+    ``start..stop``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = eval_text.read_text(encoding="utf-8")
+    return lambda start, stop: tok(text[start:stop], return_tensors="pt").input_ids

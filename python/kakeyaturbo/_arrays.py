@@ -2,8 +2,9 @@
 reads, and decoded float32 back into the caller's framework, dtype and device.
 
 float32 and float16 CPU inputs cross without a copy (DLPack / the buffer protocol);
-bfloat16 crosses as its raw 16-bit pattern (numpy has no bfloat16). CUDA tensors take an
-explicit device-to-host copy: the codec runs on the CPU.
+bfloat16 crosses as its raw 16-bit pattern (numpy has no bfloat16). float64, numpy's default,
+is converted to float32 (one copy; the codec computes in float32 and decodes to float32). CUDA
+tensors take an explicit device-to-host copy: the codec runs on the CPU.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def _is_torch_tensor(x: Any) -> bool:
 
 
 def to_core(x: Any, name: str, ndim: int) -> tuple[np.ndarray, bool, Origin]:
-    """Returns ``(array, bf16_bits, origin)`` for the Rust core, validating dtype and rank."""
+    """Returns ``(array, bf16_bits, origin)`` for the Rust core, validating dtype and rank.
+    float64 is converted to float32 here (the core reads no float64), so its origin, and what
+    decoding it gives back, is float32."""
     if _is_torch_tensor(x):
         arr, bf16, origin = _from_torch(x, name)
     elif isinstance(x, np.ndarray):
+        if x.dtype == np.float64:
+            x = x.astype(np.float32)
         if x.dtype not in _NUMPY_DTYPES:
             raise TypeError(
-                f"{name}: dtype {x.dtype} is not supported; use float32, float16 or bfloat16"
+                f"{name}: dtype {x.dtype} is not supported; use a float dtype (32, 16 or 64 bits)"
             )
         arr, bf16, origin = np.ascontiguousarray(x), False, Origin("numpy", _NUMPY_DTYPES[x.dtype])
     elif hasattr(x, "__dlpack__"):
@@ -62,9 +67,11 @@ def to_core(x: Any, name: str, ndim: int) -> tuple[np.ndarray, bool, Origin]:
 def _from_torch(t: Any, name: str) -> tuple[np.ndarray, bool, Origin]:
     torch = _torch()
     names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    if t.dtype == torch.float64:
+        t = t.to(torch.float32)
     if t.dtype not in names:
         raise TypeError(
-            f"{name}: dtype {t.dtype} is not supported; use float32, float16 or bfloat16"
+            f"{name}: dtype {t.dtype} is not supported; use float32, float16, bfloat16 or float64"
         )
     origin = Origin("torch", names[t.dtype], str(t.device))
     # The codec runs on the CPU: CUDA tensors take one explicit device-to-host copy.

@@ -6,13 +6,34 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "Basis", "ChecksumError", "CodecParams", "EncodedLayer", "FORMAT_VERSION", "FormatError",
-    "KakeyaTurboError", "UnsupportedVersionError", "codec_params_defaults", "coded_key_logits",
-    "coded_value_sums", "coded_attend", "bf16_products", "decode_batch", "decode_norm_codes",
-    "decode_layer", "encode_batch", "encode_layer", "fit_codebook", "gaussian_codebook",
+    "Basis",
+    "ChecksumError",
+    "CodecParams",
+    "EncodedLayer",
+    "FORMAT_VERSION",
+    "FormatError",
+    "KakeyaTurboError",
+    "UnsupportedVersionError",
+    "codec_params_defaults",
+    "coded_key_logits",
+    "coded_value_sums",
+    "coded_attend",
+    "bf16_products",
+    "decode_batch",
+    "decode_norm_codes",
+    "decode_layer",
+    "encode_batch",
+    "encode_layer",
+    "fit_codebook",
+    "gaussian_codebook",
     "gaussian_distortions",
-    "int16_products", "int8_rows_encode", "share_torch_threads", "stage_errors", "wht_rotate",
-    "PreparedKeys", "prepare_keys",
+    "int16_products",
+    "int8_rows_encode",
+    "share_torch_threads",
+    "stage_errors",
+    "wht_rotate",
+    "PreparedKeys",
+    "prepare_keys",
 ]
 
 __version__: str
@@ -170,6 +191,7 @@ def coded_value_sums(
     weights: npt.NDArray[np.float32],
     norms: Optional[_Norms] = None,
 ) -> npt.NDArray[np.float32]: ...
+
 # One [streams, n, head_dim] run, float32 or raw bfloat16 bits, or int8 rows [streams, n,
 # head_dim + 2]; or a list of runs in order.
 _ExactRun = Union[npt.NDArray[np.float32], npt.NDArray[np.uint16], npt.NDArray[np.int8]]
@@ -199,6 +221,7 @@ def coded_attend(
     prepared: Optional[PreparedKeys] = None,
     rotation_repeats: int = 1,
 ) -> npt.NDArray[np.float32]: ...
+
 @final
 class PreparedKeys:
     def prepared(self) -> int: ...

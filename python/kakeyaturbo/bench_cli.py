@@ -19,6 +19,7 @@ import numpy as np
 from . import _core, codec
 from ._core import CodecParams
 from .capture import load_tensor
+from .cli_args import UsageError, atomic_path, existing_path, int_at_least
 
 
 def _floats(text: str) -> list[float]:
@@ -69,8 +70,12 @@ def add_param_flags(p: argparse.ArgumentParser) -> None:
 
 
 def params_from_args(args: argparse.Namespace) -> CodecParams:
+    """The flags' ``CodecParams``; an invalid value is a `UsageError` naming it."""
     kw = {n: getattr(args, n) for n in _PARAM_FLAGS if getattr(args, n) is not None}
-    return CodecParams(**kw)
+    try:
+        return CodecParams(**kw)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "tensor_file",
-        type=Path,
+        type=existing_path("tensor file", "file"),
         help=".npy or .safetensors; the last two dims are [tokens, head_dim]",
     )
     p.add_argument("--tensor", default=None, help="name of the tensor inside a .safetensors file")
@@ -90,7 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dump-decoded", type=Path, default=None, help="write the reconstruction (.npy)"
     )
     p.add_argument("--stages", action="store_true", help="report the error after each stage")
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
+    p.add_argument(
+        "--repeats", type=int_at_least(1), default=3, help="timing repeats (best is reported)"
+    )
     add_param_flags(p)
     p.set_defaults(func=run)
 
@@ -105,14 +112,23 @@ def _best_time(fn, repeats: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    x = load_tensor(args.tensor_file, args.tensor)
+    params = params_from_args(args)
+    if args.dump_decoded is not None and args.dump_decoded.suffix != ".npy":
+        raise UsageError(f"--dump-decoded {str(args.dump_decoded)!r}: expected a .npy path")
+    if args.tensor_file.suffix not in (".npy", ".safetensors"):
+        raise UsageError(f"{args.tensor_file}: expected a .npy or .safetensors file")
+    try:
+        x = load_tensor(args.tensor_file, args.tensor)
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from exc
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     if x.ndim < 2:
-        raise ValueError(f"{args.tensor_file}: need at least 2 dimensions, got shape {x.shape}")
+        raise UsageError(f"{args.tensor_file}: need at least 2 dimensions, got shape {x.shape}")
     if x.dtype not in (np.float32, np.float16):
         x = x.astype(np.float32)
     shape = x.shape
     x3 = np.ascontiguousarray(x.reshape(-1, shape[-2], shape[-1]))
-    params = params_from_args(args)
     t_enc, encs = _best_time(lambda: codec.encode_batch(x3, params), args.repeats)
     t_dec, y = _best_time(lambda: codec.decode_batch(encs), args.repeats)
     y = np.asarray(y, dtype=np.float32)
@@ -144,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         per = [codec.stage_errors(np.ascontiguousarray(xf[i]), params) for i in range(len(xf))]
         report["stages"] = {k: float(np.sqrt(np.mean([p[k] ** 2 for p in per]))) for k in per[0]}
     if args.dump_decoded:
-        np.save(args.dump_decoded, y.reshape(shape).astype(x.dtype))
+        with atomic_path(args.dump_decoded) as tmp:
+            np.save(tmp, y.reshape(shape).astype(x.dtype))
         report["decoded_file"] = str(args.dump_decoded)
     print(json.dumps(report, indent=2))
     return 0

@@ -23,7 +23,7 @@ def read_tokens(tok, text_file: str | Path, n_tokens: int, offset_chars: int = 0
     # Tokenise a generous prefix only: the whole WikiText file takes seconds to encode.
     ids = tok(text[: n_tokens * 12], add_special_tokens=False)["input_ids"]
     if len(ids) < n_tokens:
-        raise ValueError(f"text_file: only {len(ids)} tokens available, {n_tokens} requested")
+        raise ValueError(f"{text_file}: only {len(ids)} tokens available, {n_tokens} requested")
     return ids[:n_tokens]
 
 
@@ -70,17 +70,21 @@ def capture_kv(model, input_ids: list[int], last_queries: int = 0) -> dict[str, 
 
 
 def save_tensors(tensors: dict[str, np.ndarray], out: str | Path) -> Path:
-    """Writes ``.safetensors`` (or one ``.npy`` per tensor into a folder for other suffixes)."""
+    """Writes ``.safetensors`` (or one ``.npy`` per tensor into a folder for other suffixes),
+    each file whole or not at all (a temporary file, then a rename)."""
+    from .cli_args import atomic_path
+
     out = Path(out)
     if out.suffix == ".safetensors":
         from safetensors.numpy import save_file
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out))
+        with atomic_path(out) as tmp:
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp))
         return out
     out.mkdir(parents=True, exist_ok=True)
     for k, v in tensors.items():
-        np.save(out / f"{k}.npy", v)
+        with atomic_path(out / f"{k}.npy") as tmp:
+            np.save(tmp, v)
     return out
 
 

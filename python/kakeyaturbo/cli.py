@@ -5,6 +5,10 @@ module of the command being run is imported, so ``kakeyaturbo --help`` and ``kak
 work on the base install (numpy, tqdm, safetensors) and start without importing torch. A
 command whose optional dependencies are missing names the extra to install instead of ending
 in a traceback.
+
+Errors are one line on stderr, ``error: ...``, with exit status 2 for a usage error (a bad
+argument, method spec or path, found before any model loads) and 1 for a failure while running;
+``--debug`` (anywhere on the command line) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ._core import KakeyaTurboError
+from .cli_args import Parser, UsageError
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,6 @@ class MissingExtraError(KakeyaTurboError, ImportError):
     """A command needs a package that only one of the package's extras installs."""
 
 
-def add_model_argument(p: argparse.ArgumentParser) -> None:
-    """``--model``, as every command that loads a model takes it (`kakeyaturbo.modeling`)."""
-    p.add_argument(
-        "--model",
-        required=True,
-        help="local Hugging Face model folder, or a GGUF file (or a folder holding one)",
-    )
-
-
 def _missing_extra(command: str, exc: ModuleNotFoundError) -> Optional[MissingExtraError]:
     """The user-facing error for `exc`, if it is a third-party package `command` lacks."""
     package = (exc.name or "").split(".")[0]
@@ -85,8 +81,11 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 
     Raises `MissingExtraError` when `command` needs an extra that is not installed.
     """
-    parser = argparse.ArgumentParser(prog="kakeyaturbo", description="KV-cache codec tools")
+    parser = Parser(prog="kakeyaturbo", description="KV-cache codec tools")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error (anywhere in argv)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = _COMMANDS.get(command) if command else None
     for name, cmd in _COMMANDS.items():
@@ -104,12 +103,28 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as one line naming the problem."""
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    else:
+        text = str(exc)
+    text = " ".join(text.split())
+    if not text or isinstance(exc, (OSError, KeyError, RuntimeError)):
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     command = _command_of(argv)
     try:
         parser = build_parser(command)
     except MissingExtraError as exc:
+        if debug:
+            raise
         print(f"error: {exc}", file=sys.stderr)
         return 1
     args = parser.parse_args(argv)
@@ -125,11 +140,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except ModuleNotFoundError as exc:
-        err = _missing_extra(args.command, exc)
-        if err is None:
+    except UsageError as exc:
+        if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        words = [parser.prog, args.command, getattr(args, "eval_command", None)]
+        hint = " ".join(w for w in words if w)
+        print(f"error: {_one_line(exc)} (see {hint} --help)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's one place that reports every failure
+        if debug:
+            raise
+        if isinstance(exc, ModuleNotFoundError):
+            err = _missing_extra(args.command, exc)
+            if err is not None:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
+        print(f"error: {_one_line(exc)} (--debug shows the traceback)", file=sys.stderr)
         return 1
 
 

@@ -133,7 +133,8 @@ def encode_layer(
     basis: Optional[Basis] = None,
 ) -> EncodedLayer:
     """Encodes ``x`` of shape ``[tokens, head_dim]`` (float32/float16/bfloat16, numpy or
-    torch; CUDA tensors are copied to the host). ``weights`` ([tokens], >= 0) weight the PCA.
+    torch; CUDA tensors are copied to the host; float64, numpy's default, is converted to
+    float32 and decodes as float32). ``weights`` ([tokens], >= 0) weight the PCA.
     ``basis`` (a calibrated :class:`Basis`) replaces the fitted one and is not stored."""
     arr, bf16, origin = to_core(x, "x", 2)
     w = None
@@ -179,8 +180,9 @@ def decode_block(enc: EncodedLayer, out: Optional[str] = None) -> Any:
 def encode_batch(
     x: Any, params: Optional[CodecParams] = None, bases: Any = None
 ) -> list[EncodedLayer]:
-    """Encodes ``[streams, tokens, head_dim]`` (e.g. batch x kv-heads) as independent
-    streams, in parallel on all cores. A 4-D ``[layers, heads, tokens, head_dim]`` input is
+    """Encodes ``[streams, tokens, head_dim]`` (e.g. batch x kv-heads; dtypes as for
+    :func:`encode_layer`, float64 converted to float32) as independent streams, in parallel on
+    all cores. A 4-D ``[layers, heads, tokens, head_dim]`` input is
     flattened to streams in row-major order. ``bases``: one :class:`Basis` for all streams
     or one per stream."""
     arr, bf16, origin = to_core(x, "x", x.ndim if getattr(x, "ndim", 0) == 4 else 3)

@@ -37,99 +37,29 @@ exact values over their decoded slots. The recent window is the caller's: it is 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from . import codec as _codec
-from ._arrays import bf16_bits
 from ._runs import equal_runs
+from .attend import AttendArgs, AttentionOverCodes
+from .coded_block import STREAMS, BlockRun, CodedBlock, norm_code_lists, stream_major
+from .frames import Frames, fits_frame
 from .gpu import device_encode
 from .gpu.device_decode import DeviceBlocks
-from .norm_codes import NormCodes, StackedNorms, decode_norms, encode_norms, scaled_norms
+from .norm_codes import StackedNorms, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
 
-__all__ = ["BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
-
-STREAMS = ("k", "v")
-#: Self-fitted frames need at least this many tokens per dimension to pay for themselves.
-MIN_FRAME_TOKENS_PER_DIM = 4
-_IDENTITY = torch.empty(0, dtype=torch.float16)  # "no frame": a sequence too short for one
+__all__ = ["AttendArgs", "BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
 
 
-@dataclass(eq=False)
-class CodedBlock:
-    """One block of one stream: ``tokens`` tokens of every (batch row, kv head)."""
-
-    encs: list  # rows * heads kt.EncodedLayer, row-major over (batch row, kv head); one per row
-    # coded across heads (joint_heads)
-    # Token norms of streams coded with them (across heads: each head's scale), or None.
-    norms: Optional[NormCodes]
-    tokens: int
-
-    @property
-    def encoded_bytes(self) -> int:
-        """Exact serialized size of the streams."""
-        return sum(int(e.nbytes) for e in self.encs)
-
-    @property
-    def norm_bytes(self) -> int:
-        return 0 if self.norms is None else self.norms.nbytes
-
-    @property
-    def nbytes(self) -> int:
-        """Exact bytes held: serialized streams plus token norms."""
-        return self.encoded_bytes + self.norm_bytes
-
-    def select_rows(self, order: list[int], rows: int) -> CodedBlock:
-        """The block for batch rows ``order`` of its ``rows`` (streams are shared, not
-        re-encoded)."""
-        per = len(self.encs) // rows  # streams per row: its KV heads, or one across them
-        encs = [self.encs[r * per + j] for r in order for j in range(per)]
-        norms = None if self.norms is None else self.norms.select_rows(torch.tensor(order))
-        return CodedBlock(encs, norms, self.tokens)
-
-
-@dataclass(frozen=True, eq=False)
-class BlockRun:
-    """Blocks of one stream kind as the codec's attention kernels take them
-    (:meth:`Pipeline.run_of`): a cache whose blocks are immutable once written builds it when
-    its blocks change and hands the same run over on every step, instead of laying the blocks
-    out again per layer and step."""
-
-    layers: Any  # codec.CoreLayers, stream-major (each stream's blocks in token order)
-    streams: int
-    norms: Any  # (codes, bounds) lists as the kernels take token norms, or None
-    tokens: int
-    blocks: tuple = ()  # the CodedBlocks laid out
-    # Blocks coded across heads with token norms: each head's scale codes as (codes, bounds)
-    # lists (Pipeline.joint_scales; attention decodes them itself), else None.
-    scales: Any = None
-
-
-def _fits_frame(x: torch.Tensor) -> bool:
-    """Whether ``x`` [B, H, T, D] gets a self-fitted frame: a frame is D x D per head, and on
-    fewer than MIN_FRAME_TOKENS_PER_DIM * D tokens it costs more than it saves (the sequence is
-    coded in the identity frame)."""
-    b, _, t, d = x.shape
-    return b * t >= MIN_FRAME_TOKENS_PER_DIM * d
-
-
-def _fit_frame(x: torch.Tensor) -> torch.Tensor:
-    """Per-head PCA frames ``[H, D, D]`` float16 (columns by descending variance) of ``x``
-    [B, H, T, D]: held as float16, used as float32."""
-    b, h, t, d = x.shape
-    xs = x.double().permute(1, 0, 2, 3).reshape(h, b * t, d)
-    xs = xs - xs.mean(1, keepdim=True)
-    cov = xs.transpose(1, 2) @ xs / max(b * t, 1)
-    _, vecs = torch.linalg.eigh(cov)  # ascending
-    return vecs.flip(-1).half().contiguous()
-
-
-class Pipeline:
+class Pipeline(Frames, AttentionOverCodes):
     """Codes one model's K/V with one recipe (and, optionally, its calibration bundle).
+
+    Its coding frames are :class:`~kakeyaturbo.frames.Frames`' (``frames.py``) and attention
+    over its codes is :class:`~kakeyaturbo.attend.AttentionOverCodes`' (``attend.py``).
 
     Args:
         recipe: what to do (:mod:`kakeyaturbo.recipes`).
@@ -171,22 +101,6 @@ class Pipeline:
         sequence: each evaluation passage, each vLLM prompt)."""
         return Pipeline(self.recipe, self.calibration, self._rope)
 
-    # ---- accounting ------------------------------------------------------------------------
-
-    def frame_bytes(self, layer: Optional[int] = None) -> int:
-        """Bytes of the self-fitted frames held (for ``layer``, or all layers)."""
-        return sum(
-            f.numel() * f.element_size()
-            for (li, _), f in self._frames.items()
-            if layer in (None, li)
-        )
-
-    def forget(self, layer: int) -> None:
-        """Drop ``layer``'s self-fitted frames (its cache layer was reset: the next sequence
-        fits its own)."""
-        for stream in STREAMS:
-            self._frames.pop((layer, stream), None)
-
     # ---- the round trip --------------------------------------------------------------------
 
     def encode(
@@ -219,19 +133,18 @@ class Pipeline:
         return blocks
 
     def encode_on_device(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        stream: str,
-        positions: Optional[torch.Tensor] = None,
-        sinks: Optional[torch.Tensor] = None,
+        self, x: torch.Tensor, layer: int, stream: str, **where: Any
     ) -> DeviceBlocks:
         """:meth:`encode` of whole blocks, done on ``x``'s device and held there: what
         ``DeviceBlocks.of(encode(x, ...), x.device)`` holds, without the round trip through the
         host (``device_encode.py``; the same blocks but for float rounding in the steps before
         the codec, which a GPU orders its own way). For a cache whose blocks live on the
-        model's device (``hf/layer.py``); its recipe must be one the device decoder reads."""
-        return self.encode_layers_on_device([(x, layer, positions, sinks)], stream)[0]
+        model's device (``hf/layer.py``); its recipe must be one the device decoder reads.
+        ``where``: :meth:`encode`'s ``positions`` and ``sinks``, by keyword."""
+        if set(where) - {"positions", "sinks"}:
+            raise TypeError(f"encode_on_device takes positions and sinks, got {sorted(where)}")
+        span = (x, layer, where.get("positions"), where.get("sinks"))
+        return self.encode_layers_on_device([span], stream)[0]
 
     def encode_layers_on_device(self, spans: Sequence[tuple], stream: str) -> list[DeviceBlocks]:
         """:meth:`encode_on_device` of several layers' spans ``(x, layer, positions, sinks)``
@@ -264,7 +177,7 @@ class Pipeline:
         identity = False  # the self-fitted frame is none (a short sequence's)
         if self._transforms is None:
             frame = self._frames.get((layer, stream))
-            identity = not _fits_frame(x) if frame is None else not frame.numel()
+            identity = not fits_frame(x) if frame is None else not frame.numel()
         params = self.recipe.params(layer, stream).replace(bits_per_value=1.0)
         return (tuple(x.shape), x.dtype, str(x.device), rope, identity, repr(params.to_dict()))
 
@@ -345,23 +258,6 @@ class Pipeline:
         del y
         return (heads @ joint)[:, :, None], norms
 
-    def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
-        """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""
-        t = self._transforms
-        assert t is not None  # a recipe across heads needs a bundle (checked when built)
-        if len(layers) == 1:
-            return t.on(self._joint(layers[0], stream), (layers[0], stream, "joint"), device)[None]
-        return t.stacked(layers, stream, "joint", device)
-
-    def _heads(self, coded, layers: list[int], stream: str, heads: int) -> torch.Tensor:
-        """Blocks coded across heads, their decoded codes ``coded`` ``[L, B, T, H*D]`` (of
-        ``layers``) -> each head's coding-frame coordinates ``[L, B, H, T, D]``."""
-        n, b, t, _ = coded.shape
-        inverse = self._joints(layers, stream, coded.device).transpose(-1, -2)
-        # One layer by one matrix product, as a decode of its blocks always was.
-        y = coded[0] @ inverse[0] if n == 1 else coded @ inverse[:, None]
-        return y.view(n, b, t, heads, -1).permute(0, 1, 3, 2, 4)
-
     def _store_scales(self, blocks: list[CodedBlock], layer: int, stream: str, norms) -> None:
         """Replace the blocks' token norms ``[B, H, T]`` by each head's scale
         (:meth:`_head_scales`)."""
@@ -371,17 +267,6 @@ class Pipeline:
         for blk in blocks:
             blk.norms = encode_norms(scale[:, :, start : start + blk.tokens])
             start += blk.tokens
-
-    def _head_scales(self, coded, layers: list[int], stream: str, norms) -> torch.Tensor:
-        """Each head's scale ``[L, B, H, T]`` float16 of ``layers``' blocks coded across heads
-        (their decoded codes ``coded`` ``[L, B, T, H*D]``; the tokens' norms ``norms``
-        ``[L, B, H, T]``): its norm over the norm of its decoded unit vector (the decoder
-        multiplies by it and divides by nothing)."""
-        return scaled_norms(norms, self._head_norms(coded, layers, stream, norms.shape[2]))
-
-    def _head_norms(self, coded, layers: list[int], stream: str, heads: int) -> torch.Tensor:
-        """The norms ``[L, B, H, T]`` of each head's decoded unit vector (:meth:`_heads`)."""
-        return self._heads(coded, layers, stream, heads).norm(dim=-1)
 
     def code_frame(
         self,
@@ -443,59 +328,15 @@ class Pipeline:
         """Each head's stored scale ``[rows, H, T]`` of blocks coded across heads with token
         norms: head ``h`` of a token is its decoded coordinates' slice times this. Blocks on
         the host are decoded by the codec in one call, as its attention kernels decode norms
-        (torch's few ops per block cost 13 ms of a 4k SmolLM2 decode step); an ulp apart from
+        (torch takes a few ops per block); an ulp apart from
         :meth:`decode`'s, which the device decoder matches bit for bit."""
         if isinstance(blocks, DeviceBlocks):
             return _coded_norms(blocks)
         parts = blocks.blocks if isinstance(blocks, BlockRun) else blocks
         rows, heads, _ = parts[0].norms.codes.shape  # type: ignore[union-attr]
         codes = blocks.scales if isinstance(blocks, BlockRun) else None
-        codes = _norm_code_lists(parts) if codes is None else codes
+        codes = norm_code_lists(parts) if codes is None else codes
         return torch.from_numpy(_codec.decode_norm_codes(codes, rows * heads)).view(rows, heads, -1)
-
-    def joint_frame(
-        self,
-        layer: int,
-        stream: str,
-        order: Optional[tuple[Any, torch.Tensor]] = None,
-        device: Optional[torch.device] = None,
-    ) -> torch.Tensor:
-        """``[H*D, H*D]`` float32 ``M``: the coordinates ``y`` of blocks coded across heads go
-        to the heads' ``x`` side by side (pre-RoPE keys, values) as ``y @ M`` (before each
-        head's scale, for streams with token norms). ``order``: ``(name, columns)``, ``M``'s
-        columns in that order (attention's RoPE layout), made once per name too. On
-        ``device`` (default: the CPU; copied there once per bundle)."""
-        # Bundle data: made once per bundle, held by it and shared by every cache and sequence
-        # (a cache holding its own would hold 8.8 MB more on SmolLM2).
-        derived, key = self.calibration.derived, ("joint frame", layer, stream)
-        if key not in derived:
-            inv = self._transforms.matrix(layer, stream, "inv")  # type: ignore[union-attr]
-            derived[key] = self._joint(layer, stream).T @ torch.block_diag(*inv)
-        if order is not None:
-            name, columns = order
-            if (key, name) not in derived:
-                derived[(key, name)] = derived[key].index_select(-1, columns.cpu())
-            key = (key, name)
-        return self._bundle_on(derived[key], key, device)
-
-    def joint_head_frames(
-        self, layer: int, stream: str, device: Optional[torch.device] = None
-    ) -> torch.Tensor:
-        """:meth:`joint_frame` split by head, ``[H, H*D, D]``: head ``h``'s ``x`` is ``y @
-        frames[h]`` (contiguous, as the codec's kernels read it; bundle data, made once), on
-        ``device`` (default: the CPU)."""
-        derived, key = self.calibration.derived, ("joint head frames", layer, stream)
-        if key not in derived:
-            frame = self.joint_frame(layer, stream)
-            heads = len(self._transforms.matrix(layer, stream, "inv"))  # type: ignore[union-attr]
-            derived[key] = frame.view(frame.shape[0], heads, -1).transpose(0, 1).contiguous()
-        return self._bundle_on(derived[key], key, device)
-
-    def _bundle_on(self, m: torch.Tensor, key: tuple, device: Optional[torch.device]):
-        """``m`` (bundle data named ``key``) on ``device``, copied there once per bundle."""
-        if device is None:
-            return m
-        return self._transforms.on(m, key, torch.device(device))  # type: ignore[union-attr]
 
     def joint_codes(self, blocks: list[CodedBlock] | DeviceBlocks, rows: int) -> torch.Tensor:
         """The codec's output for blocks coded across heads, ``[rows, T, H*D]`` float32 where
@@ -530,261 +371,20 @@ class Pipeline:
         # rise that a small MSE hides).
         return y, norms / y.norm(dim=-1).clamp_min(1e-12)
 
-    def key_logits(
-        self,
-        blocks: list[CodedBlock] | BlockRun,
-        rows: int,
-        queries: torch.Tensor,
-        frames: Optional[torch.Tensor],
-        rotation: Optional[torch.Tensor],
-        precision: str = "float32",
-        rotation_repeats: int = 1,
-    ) -> torch.Tensor:
-        """Attention logits ``[rows, H, G, T]`` of ``queries`` ``[rows, H, G, D]`` against the
-        keys coded in ``blocks``, computed by the codec block by block with no decoded copy:
-        ``q . rope_t(y_t @ frames[h])``, times the token-norm scale of :meth:`decode_codes`.
-        ``frames`` ``[H, D, D]`` (None: identity); ``rotation`` ``[rows or 1, T, 2, pairs]``,
-        the cosines then the sines turning channel pairs ``(i, i + P)``, ``P = pairs *
-        rotation_repeats``, pair ``i`` by angle ``i % pairs`` (None: no RoPE).
-        ``precision``: the frame product's arithmetic (``codec.coded_key_logits``). CPU
-        float32."""
-        run = self.run_of(blocks, "k")
-        h, g, streams = queries.shape[1], queries.shape[2], run.streams
-        logits = _codec.coded_key_logits(
-            run.layers,
-            streams,
-            _np(queries.reshape(streams, g, -1)),
-            _np_or_none(frames),
-            _np_or_none(rotation),
-            run.norms,
-            precision=precision,
-            rotation_repeats=rotation_repeats,
-        )
-        return torch.from_numpy(logits).view(rows, h, g, -1)
-
-    def value_sums(
-        self, blocks: list[CodedBlock] | BlockRun, rows: int, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """``sum_t weights[..., t] * y_t`` ``[rows, H, G, D]`` over the values coded in
-        ``blocks`` (``weights`` ``[rows, H, G, T]``), in the coding frame (apply
-        :meth:`frame_inverse` after), token-norm scales included, with no decoded copy. CPU
-        float32."""
-        run = self.run_of(blocks, "v")
-        h, g, streams = weights.shape[1], weights.shape[2], run.streams
-        sums = _codec.coded_value_sums(
-            run.layers, streams, _np(weights.reshape(streams, g, -1)), run.norms
-        )
-        return torch.from_numpy(sums).view(rows, h, g, -1)
-
-    def attend(
-        self,
-        kv_blocks: tuple[list[CodedBlock] | BlockRun, list[CodedBlock] | BlockRun],
-        rows: int,
-        queries: torch.Tensor,
-        exact: tuple[torch.Tensor | list, torch.Tensor | list],
-        scaling: float,
-        *,
-        key_frames: Optional[torch.Tensor] = None,
-        rotation: Optional[torch.Tensor] = None,
-        value_frames: Optional[torch.Tensor] = None,
-        bias: Optional[torch.Tensor] = None,
-        softcap: Optional[float] = None,
-        heads: int = 1,
-        exact_queries: Optional[torch.Tensor] = None,
-        key_scales: Any = None,
-        value_scales: Any = None,
-        precision: str = "float32",
-        prepared: Any = None,
-        rotation_repeats: int = 1,
-    ) -> torch.Tensor:
-        """One whole attention ``[rows, H, G, D]`` of ``queries`` ``[rows, H, G, D]`` over the
-        keys and values coded in ``kv_blocks`` followed by the ``exact`` keys and values
-        ``[rows, H, E, D]``, computed by the codec (:meth:`key_logits`, a softmax, then
-        :meth:`value_sums` turned out of the frame by ``value_frames``, plus the exact part;
-        ``exact`` keys and values may each be a list of runs ``[rows, H, n_i, D]`` in token
-        order, and a bfloat16 run or int8 rows ``[rows, H, n_i, D + 2]``, ``hf/int8_rows.py``,
-        are read as held, with no float32 copy).
-        ``bias`` ``[rows, H, G, T + E]``, ``[rows, 1, ...]`` or ``[1, 1, ...]`` is added to the
-        (``scaling``-scaled, ``softcap``-ped) logits; a row masked whole gets zeros. For the
-        few query rows of a decode step. ``precision``: the key frame product's arithmetic,
-        ``rotation_repeats`` as :meth:`key_logits` takes it (``codec.coded_key_logits``). CPU
-        float32.
-
-        Blocks coded across ``heads`` KV heads (one stream of ``heads * D`` coordinates per
-        row): ``queries`` ``[rows, 1, G, heads * D]`` are the wide queries in the key frame's
-        coordinates, ``G`` rows in ``heads`` equal groups, one per head; ``exact_queries``
-        ``[rows, heads, G / heads, D]`` each row over its own head's channels, in the exact
-        keys' order; ``exact`` runs ``[rows, heads, n_i, D]``; ``value_frames`` ``[heads,
-        heads * D, D]`` (:meth:`joint_head_frames`); ``key_scales`` / ``value_scales``
-        ``[rows, heads, T]`` (:meth:`joint_scales`), or their codes as a :class:`BlockRun`
-        holds them (``scales``), which the codec decodes itself. The output is then ``[rows,
-        1, G, D]``.
-        ``prepared``: the keys made ahead by :meth:`prepare_keys` with the same blocks,
-        ``key_frames``, ``rotation`` (the same tensor) and ``precision``; the same bits."""
-        kr, vr = self.run_of(kv_blocks[0], "k"), self.run_of(kv_blocks[1], "v")
-        (ek, ev), streams = exact, kr.streams
-        h, g, w = queries.shape[1], queries.shape[2], queries.shape[3]
-        d = w // heads
-        if bias is not None:
-            bias = bias.reshape(-1, g, bias.shape[-1])
-        if exact_queries is not None:
-            exact_queries = exact_queries.reshape(streams, g, d)
-        out = _codec.coded_attend(
-            kr.layers,
-            vr.layers,
-            streams,
-            _np(queries.reshape(streams, g, w)),
-            _runs_np(ek, streams * heads, d),
-            _runs_np(ev, streams * heads, d),
-            scaling,
-            key_frames=_np_or_none(key_frames),
-            rotation=_np_or_none(rotation),
-            key_norms=kr.norms,
-            value_frames=_np_or_none(value_frames),
-            value_norms=vr.norms,
-            bias=_np_or_none(bias),
-            softcap=softcap,
-            heads=heads,
-            exact_queries=_np_or_none(exact_queries),
-            key_scales=_scales_arg(key_scales),
-            value_scales=_scales_arg(value_scales),
-            precision=precision,
-            prepared=prepared,
-            rotation_repeats=rotation_repeats,
-        )
-        return torch.from_numpy(out).view(rows, h, g, d)
-
-    def prepare_keys(
-        self,
-        key_blocks: list[CodedBlock] | BlockRun,
-        *,
-        key_frames: Optional[torch.Tensor] = None,
-        rotation: Optional[torch.Tensor] = None,
-        precision: str = "float32",
-        background: bool = True,
-        rotation_repeats: int = 1,
-    ) -> Any:
-        """The keys of ``key_blocks`` as :meth:`attend` makes them from ``key_frames``,
-        ``rotation`` (``rotation_repeats``) and ``precision`` (decoded, through the frame,
-        turned by RoPE), made ahead (``codec.prepare_keys``): on an idle worker of the codec's
-        pool with ``background`` (None where there is none), else now. Pass the result to
-        :meth:`attend` as ``prepared``; keep ``key_frames`` and ``rotation`` unchanged while
-        it lives."""
-        kr = self.run_of(key_blocks, "k")
-        return _codec.prepare_keys(
-            kr.layers,
-            kr.streams,
-            key_frames=_np_or_none(key_frames),
-            rotation=_np_or_none(rotation),
-            precision=precision,
-            background=background,
-            rotation_repeats=rotation_repeats,
-            token_norms=kr.norms is not None,
-        )
-
-    def run_of(self, blocks: list[CodedBlock] | BlockRun, stream: str) -> BlockRun:
-        """``blocks`` of ``stream`` laid out for the attention kernels (a :class:`BlockRun` is
-        returned as it is)."""
-        if isinstance(blocks, BlockRun):
-            return blocks
-        encs, streams = _stream_major(blocks)
-        norms = scales = None
-        # Their codes, decoded in the kernels (across heads they are per-head scales, which
-        # attention over the codes applies itself).
-        if self.recipe.token_norms(stream):
-            codes = _norm_code_lists(blocks)
-            if self.recipe.joint(stream):
-                scales = codes
-            else:
-                norms = codes
-        tokens = sum(blk.tokens for blk in blocks)
-        return BlockRun(_codec.core_layers(encs), streams, norms, tokens, tuple(blocks), scales)
-
-    def frame_inverse(
-        self, layer: int, stream: str, device: Optional[torch.device] = None
-    ) -> Optional[torch.Tensor]:
-        """``[H, D, D]`` float32 ``M`` with ``x = y @ M`` for the frame coordinates ``y`` of
-        :meth:`decode_frame` (None: the identity frame), on ``device`` (default: the CPU; a
-        bundle's copy there is made once per bundle)."""
-        if self.recipe.joint(stream):
-            raise ValueError("blocks coded across heads (joint_heads): see joint_frame")
-        if self._transforms is not None:
-            m = self._transforms.matrix(layer, stream, "inv")
-            return m if device is None else self._transforms.on(m, (layer, stream, "inv"), device)
-        frame = self._frames[(layer, stream)]
-        if not frame.numel():
-            return None
-        m = frame.float().transpose(-1, -2)
-        return m if device is None else m.to(device)
-
     def roundtrip(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        stream: str,
-        positions: Optional[torch.Tensor] = None,
-        sinks: Optional[torch.Tensor] = None,
-        newer: Optional[int] = None,
+        self, x: torch.Tensor, layer: int, stream: str, **where: Any
     ) -> tuple[torch.Tensor, list[CodedBlock]]:
-        """Encode then decode ``x``: (reconstruction in ``x``'s dtype and device, with the
+        """Encode then decode ``x`` (``where``: :meth:`encode`'s ``positions``, ``sinks`` and
+        ``newer``, by keyword): (reconstruction in ``x``'s dtype and device, with the
         ``sinks`` written back exact; the blocks). Frame bytes are the caller's to count
         (:meth:`frame_bytes`): they are held once per sequence, not per call."""
-        blocks = self.encode(x, layer, stream, positions, sinks, newer)
+        positions, sinks = where.get("positions"), where.get("sinks")
+        blocks = self.encode(x, layer, stream, **where)
         y = self.decode(blocks, layer, stream, x.shape[0], positions)
         y = y.to(device=x.device, dtype=x.dtype)
         if sinks is not None:
             y = torch.where(sinks.to(y.device)[:, None, :, None], x, y)
         return y, blocks
-
-    # ---- frames ----------------------------------------------------------------------------
-
-    def _into_frame(self, x, layer, stream):
-        """``x`` ``[B, H, T, D]`` of ``layer`` into its coding frame."""
-        if self._transforms is not None:
-            return self._transforms.forward(x, layer, stream)
-        frame = self._frame_for(x, layer, stream)
-        if not frame.numel():  # the identity frame
-            return x
-        return torch.einsum("bhtd,hde->bhte", x, frame.float().to(x.device))
-
-    def _into_frames(self, x, layers, stream):
-        """``x`` ``[L, B, H, T, D]`` of ``layers`` into their coding frames, by one product
-        for them all (each layer's the same as :meth:`_into_frame` gives)."""
-        if len(layers) == 1:
-            return self._into_frame(x[0], layers[0], stream)[None]
-        if self._transforms is not None:
-            return self._transforms.forward_layers(x, layers, stream)
-        frames = [self._frame_for(x[i], layer, stream) for i, layer in enumerate(layers)]
-        if not frames[0].numel():  # the identity frame (alike layers share its kind)
-            return x
-        return torch.einsum("lbhtd,lhde->lbhte", x, torch.stack(frames).float().to(x.device))
-
-    def _frame_for(self, x, layer, stream) -> torch.Tensor:
-        """``layer``'s self-fitted frame, fitted on ``x`` ``[B, H, T, D]`` if it has none."""
-        frame = self._frames.get((layer, stream))
-        if frame is None:
-            frame = self._frames[(layer, stream)] = _fit_frame(x) if _fits_frame(x) else _IDENTITY
-        return frame
-
-    def _from_frame(self, y, layer, stream, positions):
-        if self._transforms is not None:
-            x = self._transforms.inverse(y, layer, stream)
-        else:
-            # The frame is float16-rounded, so its transpose is its inverse only to ~1e-3; the
-            # encoder projected with the same matrix, so the round trip stays consistent.
-            m = self.frame_inverse(layer, stream, y.device)
-            x = y if m is None else y @ m
-        if positions is not None and stream == "k" and self.recipe.pre_rope:
-            x = self._rope_for(layer).rotate(x, positions)
-        return x
-
-    def _joint(self, layer: int, stream: str) -> torch.Tensor:
-        return self._transforms.joint(layer, stream)  # type: ignore[union-attr]
-
-    def _rope_for(self, layer: int):
-        if self._rope is None:
-            raise ValueError("pre-RoPE recipe: keys with positions need the model's RoPE")
-        return self._rope(layer)
 
 
 def _check(x: Any, stream: str) -> None:
@@ -853,52 +453,6 @@ def _encode(streams: torch.Tensor, params, layer: int, stream: str) -> list:
         raise ValueError(f"layer {layer} {stream}: {exc}") from None
 
 
-def _stream_major(blocks: Sequence[CodedBlock]) -> tuple[list, int]:
-    """The blocks' encodings stream-major (each (row, head) stream's blocks in token order),
-    the layout the codec's batch calls take, and the number of streams."""
-    streams = len(blocks[0].encs)
-    return [blk.encs[s] for s in range(streams) for blk in blocks], streams
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A C-contiguous float32 numpy view of a CPU tensor (a copy only where it must)."""
-    if t.dtype is torch.float32 and not t.requires_grad and t.is_contiguous():
-        return t.numpy()  # the common case, without three no-op tensor calls
-    return t.detach().to(torch.float32).contiguous().numpy()
-
-
-def _runs_np(runs: Any, streams: int, d: int) -> list:
-    """Exact keys or values (a tensor, or a list of runs in token order) as the codec takes
-    them: ``[streams, n, d]`` arrays, float32, a bfloat16 run as its raw bits (uint16), or
-    int8 rows ``[streams, n, d + 2]`` (``hf/int8_rows.py``) as they are."""
-    out = []
-    for t in [runs] if isinstance(runs, torch.Tensor) else runs:
-        if t.dtype is torch.int8:
-            out.append(t.detach().reshape(streams, -1, t.shape[-1]).contiguous().numpy())
-            continue
-        t = t.detach().reshape(streams, -1, d)
-        out.append(bf16_bits(t.contiguous()) if t.dtype is torch.bfloat16 else _np(t))
-    return out
-
-
-def _np_or_none(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
-    """:func:`_np` of an optional tensor."""
-    return None if t is None else _np(t)
-
-
-def _scales_arg(scales: Any) -> Any:
-    """Heads' scales as the codec takes them: a tensor as :func:`_np` makes it, codes (a
-    ``(codes, bounds)`` pair of lists) as they are."""
-    return scales if isinstance(scales, tuple) else _np_or_none(scales)
-
-
-def _norm_code_lists(blocks: Sequence[CodedBlock]) -> tuple[list, list]:
-    """The blocks' token-norm codes as the codec takes them: ``(codes, bounds)`` lists, per
-    block uint8 ``[streams, tokens]`` and float16 ``[streams, 2]``."""
-    arrays = [blk.norms.arrays() for blk in blocks]  # type: ignore[union-attr]
-    return [c for c, _ in arrays], [b for _, b in arrays]
-
-
 def decode_blocks(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
     """The codec's output for consecutive blocks: ``[rows, S, sum(tokens), C]`` float32, in the
     coding frame, before any token-norm scale."""
@@ -929,7 +483,7 @@ def _decode_run(blocks: Sequence[CodedBlock], rows: int) -> torch.Tensor:
     """Decode equally long blocks in one call -> [rows, H, n_blocks * tokens, D]: the streams
     are handed over stream-major (each (row, head) stream's blocks in token order), so the
     decoded array is already in that layout and needs no concatenation."""
-    encs, streams = _stream_major(blocks)
+    encs, streams = stream_major(blocks)
     out = _codec.decode_batch(encs)
     y = torch.from_numpy(np.ascontiguousarray(out)) if isinstance(out, np.ndarray) else out
     n, t, d = len(blocks), blocks[0].tokens, y.shape[-1]

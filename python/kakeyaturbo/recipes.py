@@ -30,7 +30,7 @@ Why the default is what it is (measured on SmolLM2-135M, see ``docs/recipe.md``)
    sensitivity scans (the geometric mean of their KLs) makes the recipe ACCEPT at 5.1x in
    snapshot and in-forward mode and on a copying test. The
    price is speed: attention over such codes makes every head's keys from all heads'
-   coordinates (3x the key frame product on a 3-head layer, ``docs/speed.md``).
+   coordinates (3x the key frame product on a 3-head layer).
 """
 
 from __future__ import annotations
@@ -109,8 +109,10 @@ class Recipe:
                 f"k.block_size ({self.k.block_size}) and v.block_size ({self.v.block_size}) "
                 "must be equal: keys and values are coded in the same token blocks"
             )
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or (
-            self.sink_tokens < 0
+        if (
+            isinstance(self.sink_tokens, bool)
+            or not isinstance(self.sink_tokens, int)
+            or (self.sink_tokens < 0)
         ):
             raise ValueError(f"sink_tokens must be a non-negative int, got {self.sink_tokens!r}")
         object.__setattr__(self, "k_layer_bits", tuple(float(b) for b in self.k_layer_bits))

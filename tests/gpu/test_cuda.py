@@ -63,9 +63,7 @@ def _teacher_forced(model, ids, cache_kw, prompt_len):
 @pytest.mark.slow
 @pytest.mark.parametrize("bundle", ["none", "joint"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kakeya_cache_follows_the_model_onto_the_gpu(
-    model_dir, eval_text, dtype, bundle, request
-):
+def test_kakeya_cache_follows_the_model_onto_the_gpu(model_dir, eval_text, dtype, bundle, request):
     """generate and teacher-forced steps with the model on the GPU, the default recipe and a
     bundle coded across KV heads (attention over the codes then takes its torch paths, not
     the CPU kernels). In float32 the GPU's logits must be the CPU's up to the few blocks
@@ -83,7 +81,9 @@ def test_kakeya_cache_follows_the_model_onto_the_gpu(
     prompt = ids[:, :600].cuda()
     with torch.inference_mode():
         ref = model.generate(
-            prompt, max_new_tokens=32, do_sample=False,
+            prompt,
+            max_new_tokens=32,
+            do_sample=False,
             **{CACHE_ARG: DynamicCache(config=model.config)},
         )
         cache = KakeyaCache.from_model(model, residual_length=64, **cache_kw)
@@ -268,7 +268,7 @@ def test_the_triton_attention_kernels_compile_and_agree_with_torch():
     held = StackedNorms.of([encode_norms(norms[..., i : i + 256]) for i in range(0, 700, 256)])
     for run in held.runs:
         run = tuple(t.cuda() for t in run)
-        assert fused_decode._norms_close(*run, decode_run_with_torch)
+        assert fused_decode.norms_close(*run, decode_run_with_torch)
         assert fused_decode.norms_usable(*run, decode_run_with_torch)
 
     x = (torch.randn(2, 3, 37, 64, generator=g) * torch.logspace(-3, 3, 37)[:, None]).cuda()
@@ -299,10 +299,10 @@ def test_the_triton_joint_attention_compiles_and_agrees_with_torch(dtype, scales
             return fj.ScaleCodes(x.codes.cuda(), x.low.cuda(), x.step.cuda())
         return None if x is None else x.cuda()
 
-    coded = fj.Coded(*(on_gpu(x) for x in fj._fields(coded)))
+    coded = fj.Coded(*(on_gpu(x) for x in coded.fields()))
     args = (coded, q.cuda(), [k.cuda() for k in keys], [v.cuda() for v in values], mask.cuda())
     args += (0.125, None, 1, dtype)
-    assert fj._close(*args)  # float32 output against float64 torch
+    assert fj.close(*args)  # float32 output against float64 torch
     got, want = fj.attend(*args), fj.attend_with_torch(*args)
     assert got.dtype == dtype and got.shape == want.shape
     # In bfloat16, float32 sums in another order may round an entry to a neighbouring value.

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from kernel_checks import assert_twin_checked  # tests/support (pythonpath)
 from triton_interpreter import run_interpreted  # tests/support (pythonpath)
 
 from kakeyaturbo.gpu import fused_attention
@@ -46,7 +47,7 @@ LAYOUTS = textwrap.dedent(
             want = fa.joint_key_logits_with_torch(y, frame, rotation, q, order)
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert got.shape == (b, h * rows, t) and err < 1e-5, (b, h, d, rot, rows, t, bp, err)
-            assert fa._close(y, frame, rotation, q, order)
+            assert fa.close(y, frame, rotation, q, order)
     print("layouts checked", len(layouts))
     """
 )
@@ -101,21 +102,9 @@ def test_the_wide_queries_read_each_head_on_its_own_channels():
 def test_off_a_gpu_the_torch_ops_score_and_a_failing_kernel_is_dropped(monkeypatch):
     args = _inputs(2, 40, h=1, rows=4)
     assert not fused_attention.usable(*args)  # the CPU, whatever Triton is
-    kernel = fused_attention.KERNEL
-
-    def agrees() -> bool:
-        return kernel.agrees(args[0].device, lambda: fused_attention._close(*args))
-
-    def broken(*_args):
-        raise RuntimeError("out of shared memory")
-
-    monkeypatch.setattr(fused_attention, "joint_key_logits", broken)
-    with pytest.warns(RuntimeWarning, match="key logits failed on cpu"):
-        assert not agrees()
-    wrong = lambda *a: fused_attention.joint_key_logits_with_torch(*a) * 1.01  # noqa: E731
-    monkeypatch.setattr(fused_attention, "joint_key_logits", wrong)
-    with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not agrees()
-    same = fused_attention.joint_key_logits_with_torch
-    monkeypatch.setattr(fused_attention, "joint_key_logits", same)
-    assert agrees()
+    check = lambda: fused_attention.close(*args)  # noqa: E731
+    twin = fused_attention.joint_key_logits_with_torch
+    kernel, device = fused_attention.KERNEL, args[0].device
+    assert_twin_checked(
+        monkeypatch, fused_attention, "joint_key_logits", kernel, device, check, twin
+    )

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from kernel_checks import assert_twin_checked  # tests/support (pythonpath)
 from triton_interpreter import run_interpreted  # tests/support (pythonpath)
 
 from kakeyaturbo.gpu import fused_decode
@@ -67,7 +68,7 @@ NORMS = textwrap.dedent(
         got, want = fused_decode.decode_norms(*run), decode_run_with_torch(*run)
         assert got.shape == want.shape and torch.equal(got == 0, want == 0)
         assert ((got - want).abs() <= fused_decode.NORM_TOLERANCE * want.abs()).all()
-        assert fused_decode._norms_close(*run, decode_run_with_torch)
+        assert fused_decode.norms_close(*run, decode_run_with_torch)
     print("norm runs checked", len(held.runs))
     """
 )
@@ -86,7 +87,7 @@ def test_a_norm_kernel_that_disagrees_is_dropped_and_the_cpu_uses_torch(monkeypa
     assert torch.allclose(StackedNorms.of([encode_norms(norms)]).decode(), norms, rtol=0.02)
 
     def agrees() -> bool:
-        check = lambda: fused_decode._norms_close(*run, decode_run_with_torch)  # noqa: E731
+        check = lambda: fused_decode.norms_close(*run, decode_run_with_torch)  # noqa: E731
         return fused_decode.NORMS.agrees(run[0].device, check)
 
     off = lambda *a: decode_run_with_torch(*a) * (1 + 4 * fused_decode.NORM_TOLERANCE)  # noqa: E731
@@ -115,18 +116,7 @@ def test_off_a_gpu_the_torch_ops_decode():
 
 def test_a_kernel_that_fails_or_disagrees_is_dropped_with_a_warning(monkeypatch):
     run = _run()
-
-    def broken(_run):
-        raise RuntimeError("no such device function")
-
-    def agrees() -> bool:
-        return fused_decode.KERNEL.agrees(run.codes.device, lambda: fused_decode._same_bits(run))
-
-    monkeypatch.setattr(fused_decode, "decode", broken)
-    with pytest.warns(RuntimeWarning, match="decoder failed on cpu"):
-        assert not agrees()
-    monkeypatch.setattr(fused_decode, "decode", lambda r: r.decode_with_torch() + 1.0)
-    with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not agrees()
-    monkeypatch.setattr(fused_decode, "decode", lambda r: r.decode_with_torch())
-    assert agrees()
+    check = lambda: fused_decode.same_bits(run)  # noqa: E731
+    twin = lambda r: r.decode_with_torch()  # noqa: E731
+    kernel, device = fused_decode.KERNEL, run.codes.device
+    assert_twin_checked(monkeypatch, fused_decode, "decode", kernel, device, check, twin)

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 import torch
+from kernel_checks import assert_twin_checked  # tests/support (pythonpath)
 from triton_interpreter import run_interpreted  # tests/support (pythonpath)
 
 from kakeyaturbo.gpu import fused_joint_attend as fj
@@ -97,7 +98,7 @@ LAYOUTS = textwrap.dedent(
         want = fj.attend_with_torch(*args, torch.float32)
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert got.shape == (b, tq, h * g, d) and err < 1e-5, (seed, err)
-        assert fj._close(*args, dtype)
+        assert fj.close(*args, dtype)
         assert torch.equal(fj.attend(*args, dtype), got.to(dtype))  # the output's dtype
         if bias == 2:  # the row masked whole: zeros, as the torch path's nan_to_num gives
             assert not got[-1, 1 % tq, 1 // tq].any()
@@ -205,20 +206,6 @@ def test_off_a_gpu_the_torch_twin_attends_and_a_failing_kernel_is_dropped(monkey
     assert not fj.usable(*args)  # the CPU, whatever Triton is
     many = inputs(6, 1, 2, 16, 2, 1, 30, (2, 5, 1, 1))
     assert not fj.usable(*many, 0.25, None, 1, torch.float32)  # more runs than it reads
-    kernel = fj.KERNEL
-
-    def agrees() -> bool:
-        return kernel.agrees(args[1].device, lambda: fj._close(*args))
-
-    def broken(*_args):
-        raise RuntimeError("out of shared memory")
-
-    monkeypatch.setattr(fj, "attend", broken)
-    with pytest.warns(RuntimeWarning, match="joint attention failed on cpu"):
-        assert not agrees()
-    wrong = lambda *a: fj.attend_with_torch(*a) * 1.01  # noqa: E731
-    monkeypatch.setattr(fj, "attend", wrong)
-    with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not agrees()
-    monkeypatch.setattr(fj, "attend", fj.attend_with_torch)
-    assert agrees()
+    check = lambda: fj.close(*args)  # noqa: E731
+    device = args[1].device
+    assert_twin_checked(monkeypatch, fj, "attend", fj.KERNEL, device, check, fj.attend_with_torch)

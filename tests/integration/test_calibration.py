@@ -215,8 +215,6 @@ def test_hf_cache_with_calibration_tracks_dynamic_cache(bundle, model_and_tok, e
         KakeyaCache.from_model(model, calibration=path, pre_rope=False)
 
 
-
-
 def test_layer_offsets_follow_sensitivity_with_zero_mean_and_clip():
     from kakeyaturbo.calibration.sensitivity import MAX_OFFSET, joint_offsets, layer_offsets
 

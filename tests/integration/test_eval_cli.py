@@ -92,7 +92,7 @@ def test_sweep_then_report(tmp_path, data):
     assert "`kivi:bits=2,group=16`" in readme and "![Pareto plot](sweep.png)" in readme
 
 
-def test_register_adds_commands_to_a_foreign_parser(capsys):
+def test_register_adds_commands_to_a_foreign_parser(capsys, tmp_path):
     parser = argparse.ArgumentParser(prog="kakeyaturbo")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["eval", "methods"])
@@ -106,5 +106,5 @@ def test_register_adds_commands_to_a_foreign_parser(capsys):
 
     assert set(COMMON_KEYS) == {f.name for f in fields(MethodOptions)}
     assert all(f" {key}=" in out for key in COMMON_KEYS)
-    args = parser.parse_args(["report", "--results", "somewhere"])
+    args = parser.parse_args(["report", "--results", str(tmp_path)])
     assert callable(args.func)

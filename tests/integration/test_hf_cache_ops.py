@@ -5,24 +5,19 @@ inverse RoPE; clear errors for bad input."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, int8_rows, rotary_spec_from_config
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions, int8_rows
+from kakeyaturbo.hf.rope import rotary_spec_from_config
 from kakeyaturbo.recipes import default_recipe
-
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-MODEL_DIR = SHARED / "models" / "kt-ref-a"
-TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),  # see conftest
-    pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
     pytest.mark.slow,
 ]
 
@@ -32,15 +27,8 @@ P8 = dict(block_size=64, bit_width=8)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
-
-
-@pytest.fixture(scope="module")
-def ids():
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    text = TEXT.read_text(encoding="utf-8")[5000:40000]
-    return tok(text, return_tensors="pt").input_ids[:, :400]
+def ids(wikitext_ids):
+    return wikitext_ids(5000, 40000)[:, :400]
 
 
 def kakeya(model, **kw):
@@ -268,7 +256,7 @@ def test_layers_holding_blocks_on_the_device_flush_together_at_the_forwards_end(
     monkeypatch.setattr(Pipeline, "encode_layers_on_device", spy)
     runs = {}
     for way in ("together", "at once", "unhooked"):
-        alone = {"flush_together_bytes": 0} if way == "at once" else {}
+        alone = {"options": KakeyaOptions(flush_together_bytes=0)} if way == "at once" else {}
         cache = KakeyaCache.from_model(model, recipe=default_recipe(block_size=64), **alone)
         if way == "unhooked":
             cache.detach()
@@ -409,9 +397,11 @@ def test_bad_parameters_raise_clearly(model):
             cfg, k_params=kt.CodecParams(block_size=128), v_params=kt.CodecParams(block_size=256)
         )
     with pytest.raises(ValueError, match="decoded_cache_bytes"):
-        KakeyaCache(cfg, decoded_cache_bytes=-1)
+        KakeyaOptions(decoded_cache_bytes=-1)
     with pytest.raises(ValueError, match="flush_together_bytes"):
-        KakeyaCache(cfg, flush_together_bytes=-1)
+        KakeyaOptions(flush_together_bytes=-1)
+    with pytest.raises(TypeError, match="options"):
+        KakeyaCache(cfg, options={"decoded_cache_bytes": 0})
     with pytest.raises(TypeError, match="PretrainedConfig"):
         KakeyaCache({"num_hidden_layers": 6})
     with pytest.raises(TypeError, match="transformers model"):
@@ -475,7 +465,7 @@ def test_what_layers_ask_alike_is_made_once_per_equal_arguments():
     # Every layer of a forward asks which sinks a span holds, from its own copy of the slots:
     # one answer while the arguments are equal, a new one as soon as they are not (another
     # batch's slots), never a stale one.
-    from kakeyaturbo.hf.layer import StepInputs
+    from kakeyaturbo.hf.context import StepInputs
 
     step, made = StepInputs(), []
 

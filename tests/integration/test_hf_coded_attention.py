@@ -18,7 +18,7 @@ kt = pytest.importorskip("kakeyaturbo")
 pytest.importorskip("kakeyaturbo.hf")
 from transformers import DynamicCache  # noqa: E402
 
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache  # noqa: E402
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions  # noqa: E402
 from kakeyaturbo.hf.coded_attention import CodedView  # noqa: E402
 from kakeyaturbo.modeling import kv_geometry, load_model  # noqa: E402
 from kakeyaturbo.recipes import default_recipe  # noqa: E402
@@ -114,7 +114,9 @@ def compare(model, ids, mask, prefill, attend_calls, tol=1e-4, **kw):
         model, KakeyaCache.from_model(model, coded_attention=False, **kw), ids, mask, prefill
     )
     assert not attend_calls
-    cache = KakeyaCache.from_model(model, **{"attention_precision": "float32", **kw})
+    cache = KakeyaCache.from_model(
+        model, **{"options": KakeyaOptions(attention_precision="float32"), **kw}
+    )
     assert model.config._attn_implementation == "kakeya"
     coded = forwards(model, cache, ids, mask, prefill)
     assert attend_calls and min(attend_calls) > 0  # every forward after the prefill read codes
@@ -167,9 +169,13 @@ def test_narrow_frame_products_move_logits_far_less_than_the_codec(
     ids, mask = padded_batch(model.config.vocab_size)
     kw = {"recipe": RECIPE, "residual_length": 64}
     exact = forwards(model, DynamicCache(), ids, mask, 600)
-    full_cache = KakeyaCache.from_model(model, attention_precision="float32", **kw)
+    full_cache = KakeyaCache.from_model(
+        model, options=KakeyaOptions(attention_precision="float32"), **kw
+    )
     full = forwards(model, full_cache, ids, mask, 600)
-    cache = KakeyaCache.from_model(model, attention_precision=precision, **kw)
+    cache = KakeyaCache.from_model(
+        model, options=KakeyaOptions(attention_precision=precision), **kw
+    )
     assert KakeyaCache(model.config).attention_precision == "int16"
     narrow = forwards(model, cache, ids, mask, 600)
     assert attend_calls
@@ -181,9 +187,9 @@ def test_narrow_frame_products_move_logits_far_less_than_the_codec(
         rms = [float((a - b).pow(2).mean().sqrt()) for a, b in ((r, f), (f, e))]
         assert 0 < rms[0] <= share * rms[1], rms
     with pytest.raises(ValueError, match="attention_precision"):
-        KakeyaCache(model.config, attention_precision="float16")
+        KakeyaOptions(attention_precision="float16")
     with pytest.raises(TypeError, match="attention_precision"):
-        KakeyaCache(model.config, attention_precision=torch.bfloat16)
+        KakeyaOptions(attention_precision=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +257,7 @@ def test_generate_is_unchanged(model):
             coded_attention=coded,
             residual_length=64,
             int8_hot_values=False,
-            attention_precision="float32",
+            options=KakeyaOptions(attention_precision="float32"),
         )
         with torch.inference_mode():
             runs.append(
@@ -326,7 +332,11 @@ def test_crop_into_blocks_after_coded_steps_matches_decoding(model, attend_calls
     """A forward over the codes keeps the layer's blocks as attention reads them; cropping into
     the blocks must drop that, or the next forward reads blocks that are gone."""
     ids, mask = padded_batch(model.config.vocab_size)
-    kw = {"recipe": RECIPE, "residual_length": 64, "attention_precision": "float32"}
+    kw = {
+        "recipe": RECIPE,
+        "residual_length": 64,
+        "options": KakeyaOptions(attention_precision="float32"),
+    }
     runs = []
     for coded in (False, True):
         cache = KakeyaCache.from_model(model, coded_attention=coded, **kw)

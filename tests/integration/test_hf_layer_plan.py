@@ -12,17 +12,13 @@ import transformers as tf
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaLayer, LayerKind, build_layer_plan
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
+from kakeyaturbo.hf.layer import KakeyaLayer
+from kakeyaturbo.hf.layer_plan import LayerKind, build_layer_plan
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=512,
-)
+# A tiny decoder: 4 query heads over 2 KV heads of 16 dimensions.
+TINY = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+TINY.update(hidden_size=64, intermediate_size=128, max_position_embeddings=512)
 N_LAYERS = 4
 WINDOW = 24
 
@@ -31,32 +27,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see conftest
 
 
 def config(name: str):
-    if name == "llama":
-        return tf.LlamaConfig(num_hidden_layers=N_LAYERS, **TINY)
-    if name == "mistral_full":
-        return tf.MistralConfig(num_hidden_layers=N_LAYERS, sliding_window=None, **TINY)
-    if name == "mistral_sliding":
-        return tf.MistralConfig(num_hidden_layers=N_LAYERS, sliding_window=WINDOW, **TINY)
-    if name == "qwen2":
-        return tf.Qwen2Config(
-            num_hidden_layers=N_LAYERS,
-            use_sliding_window=True,
-            sliding_window=WINDOW,
-            max_window_layers=2,
-            **TINY,
-        )
-    if name == "qwen3":
-        return tf.Qwen3Config(num_hidden_layers=N_LAYERS, **TINY)
-    if name == "gemma2":
-        return tf.Gemma2Config(num_hidden_layers=N_LAYERS, sliding_window=WINDOW, **TINY)
-    if name == "gemma3":
-        return tf.Gemma3TextConfig(
-            num_hidden_layers=N_LAYERS,
-            sliding_window=WINDOW,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            **TINY,
-        )
-    raise KeyError(name)
+    sliding = dict(sliding_window=WINDOW)
+    qwen2 = dict(use_sliding_window=True, max_window_layers=2, **sliding)
+    gemma3 = dict(layer_types=["sliding_attention", "full_attention"] * 2, **sliding)
+    cls, extra = {
+        "llama": (tf.LlamaConfig, {}),
+        "mistral_full": (tf.MistralConfig, dict(sliding_window=None)),
+        "mistral_sliding": (tf.MistralConfig, sliding),
+        "qwen2": (tf.Qwen2Config, qwen2),
+        "qwen3": (tf.Qwen3Config, {}),
+        "gemma2": (tf.Gemma2Config, sliding),
+        "gemma3": (tf.Gemma3TextConfig, gemma3),
+    }[name]
+    return cls(num_hidden_layers=N_LAYERS, **extra, **TINY)
 
 
 EXPECTED = {

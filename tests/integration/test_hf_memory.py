@@ -3,38 +3,27 @@ and against a DynamicCache filled with the same 2,000 tokens."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 import kakeyaturbo as kt
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, int8_rows
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions, int8_rows
 from kakeyaturbo.pipeline import CodedBlock
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-MODEL_DIR = SHARED / "models" / "kt-ref-a"
-TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 N_TOKENS = 2000
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),  # see conftest
-    pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
     pytest.mark.slow,
 ]
 
 
 @pytest.fixture(scope="module")
-def model():
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
-
-
-@pytest.fixture(scope="module")
-def ids():
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    text = TEXT.read_text(encoding="utf-8")[:120_000]
-    out = tok(text, return_tensors="pt").input_ids[:, :N_TOKENS]
+def ids(wikitext_ids):
+    out = wikitext_ids(0, 120_000)[:, :N_TOKENS]
     assert out.shape[1] == N_TOKENS
     return out
 
@@ -65,6 +54,7 @@ def held_bytes(obj, skip=None) -> tuple[int, int, int, int]:
             (
                 "kakeyaturbo.hf",
                 "kakeyaturbo.pipeline",
+                "kakeyaturbo.coded_block",
                 "kakeyaturbo.norm_codes",
                 "kakeyaturbo.gpu.device_decode",
                 "transformers.cache_utils",
@@ -189,7 +179,9 @@ def test_decoded_budget_is_bounded_and_counted(model, ids):
     cache = fill(
         model,
         ids,
-        KakeyaCache.from_model(model, k_params=k, decoded_cache_bytes=3 * per_block + 7),
+        KakeyaCache.from_model(
+            model, k_params=k, options=KakeyaOptions(decoded_cache_bytes=3 * per_block + 7)
+        ),
         steps=4,
     )
     rep = cache.memory_report()
@@ -204,7 +196,9 @@ def test_decoded_budget_is_bounded_and_counted(model, ids):
     no_budget = fill(
         model,
         ids,
-        KakeyaCache.from_model(model, k_params=k, attention_precision="float32"),
+        KakeyaCache.from_model(
+            model, k_params=k, options=KakeyaOptions(attention_precision="float32")
+        ),
         steps=4,
     )
     with torch.inference_mode():
@@ -227,11 +221,11 @@ def test_whole_layer_budget_uses_one_decoded_buffer(model, ids):
     # Exact hot values: the buffer reads a forward's own new tokens as the window holds them
     # (int8 rows by default), decoding every step reads them as they came.
     # The codec's attention over the codes (without the buffer) in float32 arithmetic.
-    kw = dict(k_params=k, residual_length=32, int8_hot_values=False, attention_precision="float32")
-    big = fill(
-        model, ids, KakeyaCache.from_model(model, decoded_cache_bytes=1 << 30, **kw), steps=60
-    )
-    none = fill(model, ids, KakeyaCache.from_model(model, **kw), steps=60)
+    kw = dict(k_params=k, residual_length=32, int8_hot_values=False)
+    f32 = KakeyaOptions(attention_precision="float32")
+    big_budget = dataclasses.replace(f32, decoded_cache_bytes=1 << 30)
+    big = fill(model, ids, KakeyaCache.from_model(model, options=big_budget, **kw), steps=60)
+    none = fill(model, ids, KakeyaCache.from_model(model, options=f32, **kw), steps=60)
     rep = big.memory_report()
     pipe = big._ctx.pipeline
     tensors, enc_bytes, _, norms = held_bytes(big, skip=pipe)
@@ -332,7 +326,7 @@ def test_int8_hot_values_hold_rows_of_codes(model, ids):
         return float((p.exp() * (p - q)).sum(-1).mean())
 
     # On this small model's one token the codes move it by 1.7e-5, the int8 values by 7e-6
-    # (SmolLM2 in-forward-hot: 1.8e-3 and 5e-5, docs/speed.md).
+    # (on SmolLM2 in in-forward-hot mode: 1.8e-3 and 5e-5).
     assert kl(a, b) < kl(ref, a)
 
 
@@ -365,3 +359,22 @@ def test_int8_hot_values_code_a_prompt_exact_and_a_waiting_window_from_its_rows(
     waited = v[:, :, 256:512]
     assert b1 == coded(int8_rows.round_trip(waited), 256)
     assert a1 == coded(waited, 256) != b1
+
+
+def test_report_says_why_a_short_prompt_is_not_compressed(model, ids):
+    """Before a layer holds a block more than its hot window nothing is coded, and the report's
+    note says so in words: how many tokens are held exact as sinks and hot window, and after how
+    many tokens blocks start being coded."""
+    cache = KakeyaCache.from_model(model)
+    with torch.inference_mode():
+        model(ids[:, :20], **{CACHE_ARG: cache}, use_cache=True)
+    rep = cache.memory_report()
+    assert rep["compressed_tokens"] == 0 and rep["ratio"] < 1
+    bs, window, sinks = cache.recipe.block_size, cache.residual_length, cache.sink_tokens
+    note = rep["note"]
+    assert note.startswith("nothing is compressed yet"), note
+    assert "all 20 tokens exact" in note and f"the first {sinks} as attention sinks" in note
+    assert f"the newest {window} as the hot window" in note
+    assert f"once a layer holds {window + bs} tokens" in note
+    coded = fill(model, ids, KakeyaCache.from_model(model)).memory_report()
+    assert coded["compressed_tokens"] > 0 and "are coded in blocks" in coded["note"]

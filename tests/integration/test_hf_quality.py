@@ -3,8 +3,6 @@ end-to-end `generate` (greedy, sampled, padded batch, beam search)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -12,33 +10,29 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kakeyaturbo as kt
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-MODEL_DIR = SHARED / "models" / "kt-ref-a"
-TEXT = SHARED / "data" / "wikitext-2-raw-test.txt"
 PROMPT, CONT = 600, 64
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),  # see conftest
-    pytest.mark.skipif(not MODEL_DIR.exists(), reason="../shared/models/kt-ref-a not present"),
     pytest.mark.slow,
 ]
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(model_dir):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(MODEL_DIR)
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
-def passage(tokenizer):
+def passage(tokenizer, eval_text):
     # A fixed slice of WikiText-2 test, past its first heading.
-    text = TEXT.read_text(encoding="utf-8")[2000:60000]
+    text = eval_text.read_text(encoding="utf-8")[2000:60000]
     ids = tokenizer(text, return_tensors="pt").input_ids
     assert ids.shape[1] >= PROMPT + CONT
     return ids[:, : PROMPT + CONT]

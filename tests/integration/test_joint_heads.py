@@ -225,12 +225,16 @@ def test_cache_with_joint_frames_generates_and_accounts_its_bytes(
         assert cache.memory_report()["compressed_bytes"] == held > 0
 
 
-def test_calibrate_command_defaults_to_joint_frames_and_both_scans():
+def test_calibrate_command_defaults_to_joint_frames_and_both_scans(tmp_path):
     """What `kakeyaturbo calibrate` fits with no flags: joint frames (resolved by calibrate(),
     off with --value-metric output) and per-layer bits from both scans."""
     from kakeyaturbo.cli import build_parser
 
-    data = ["calibrate", "--model", "m", "--text", "t", "--out", "o"]
+    (tmp_path / "m").mkdir()  # the command checks that the model folder and the text exist
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "t").write_text("text")
+    model, text = str(tmp_path / "m"), str(tmp_path / "t")
+    data = ["calibrate", "--model", model, "--text", text, "--out", str(tmp_path / "o")]
     args = build_parser("calibrate").parse_args(data)
     assert args.joint_heads is None and args.sensitivity_mode == "both"
     assert build_parser("calibrate").parse_args([*data, "--no-joint-heads"]).joint_heads is False

@@ -1,4 +1,4 @@
-"""Keys made ahead of attention (``codec.prepare_keys``, ``KakeyaCache(prepare_keys_ahead=...)``):
+"""Keys made ahead of attention (``codec.prepare_keys``, ``KakeyaOptions(prepare_keys_ahead=...)``):
 the next layer's coded keys made on the codec's idle worker while the model runs. What would
 catch real bugs: keys made with another frame, rotation or precision than attention's, stale
 keys read after the blocks changed, a block made twice or by neither side, a preparation still
@@ -12,7 +12,7 @@ import torch
 
 import kakeyaturbo as kt
 from kakeyaturbo.codec import coded_attend, prepare_keys
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, coded_attention
+from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions, coded_attention
 from kakeyaturbo.hf.coded_attention import CodedView
 from kakeyaturbo.hf.rope import RotarySpec
 from kakeyaturbo.modeling import load_model
@@ -178,7 +178,9 @@ def test_keys_prepared_ahead_change_no_bit_of_generation(model_dir, monkeypatch)
         used.clear()
         monkeypatch.setattr(coded_attention, "LAYERS_AHEAD", max(ahead, 1))
         cache = KakeyaCache.from_model(
-            model, recipe=default_recipe(block_size=64), prepare_keys_ahead=ahead > 0
+            model,
+            recipe=default_recipe(block_size=64),
+            options=KakeyaOptions(prepare_keys_ahead=ahead > 0),
         )
         out = [model(ids[:, :300], **{CACHE_ARG: cache}, use_cache=True).logits]
         for t in range(300, 420):  # 120 steps: flushes at 64-token boundaries
@@ -189,4 +191,4 @@ def test_keys_prepared_ahead_change_no_bit_of_generation(model_dir, monkeypatch)
         for a, b in zip(runs[0], runs[ahead]):
             assert torch.equal(a, b)
     with pytest.raises(TypeError, match="prepare_keys_ahead"):
-        KakeyaCache.from_model(model, prepare_keys_ahead="yes")
+        KakeyaOptions(prepare_keys_ahead="yes")

@@ -28,7 +28,14 @@ def smollm2(smollm2_dir, calib_text, eval_text, tmp_path_factory):
     calib = calibrate(model, tok, calib_text, tokens=8192, ctx=512, progress=False)
     bundle = calib.save(tmp_path_factory.mktemp("calib") / "smollm2")
     calib.meta["sensitivity"] = scan(
-        model, tok, bundle, calib_text, passages=1, ctx=256, n_eval=N_EVAL, progress=False,
+        model,
+        tok,
+        bundle,
+        calib_text,
+        passages=1,
+        ctx=256,
+        n_eval=N_EVAL,
+        progress=False,
         mode="both",
     )
     calib.save(bundle)

@@ -9,8 +9,8 @@ import torch
 from kakeyaturbo._arrays import from_core, to_core
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.pipeline import Pipeline
-from kakeyaturbo.vllm import KVCoder, VLLMHookConfig, plan_forward, runs_from_positions
-from kakeyaturbo.vllm.coder import runs_from_query_starts
+from kakeyaturbo.vllm import KVCoder, VLLMHookConfig
+from kakeyaturbo.vllm.coder import plan_forward, runs_from_positions, runs_from_query_starts
 from kakeyaturbo.vllm.transfer import TransferStats, to_device
 
 

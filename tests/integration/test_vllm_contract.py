@@ -13,7 +13,8 @@ vllm = pytest.importorskip(
     "vllm", reason="vLLM is not installed (optional extra: pip install kakeyaturbo[vllm])"
 )
 
-from kakeyaturbo.vllm import CONFIG_ENV, VLLMHookConfig, install_hooks  # noqa: E402
+from kakeyaturbo.vllm import VLLMHookConfig, install_hooks  # noqa: E402
+from kakeyaturbo.vllm.config import CONFIG_ENV  # noqa: E402
 from kakeyaturbo.vllm.engine import EagerModeError, check_eager  # noqa: E402
 
 

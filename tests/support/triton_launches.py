@@ -3,7 +3,7 @@
 Triton's interpreter runs a kernel's Python on the CPU, so it checks the arithmetic but not
 what only the compiler enforces: a variable of two types across a runtime ``if``, a function
 that returns a float in one branch and a byte in another. Both passed the interpreter and
-failed to build on the first GPU (reports/gpu_h100.txt, 43rd session). Triton compiles for a
+failed to build on a real GPU (reports/gpu_h100.txt). Triton compiles for a
 GPU it does not have (its own LLVM and ptxas), so each launch an interpreted test makes is
 compiled here for :data:`TARGETS` with the argument types and constants that launch passed.
 """

@@ -127,12 +127,18 @@ class LlamaAttention(torch.nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = _Linear(torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"],
-                                           w[p + "v_proj.weight"]]))
+        self.qkv_proj = _Linear(
+            torch.cat([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]])
+        )
         self.o_proj = _Linear(w[p + "o_proj.weight"])
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              f"model.layers.{i}.self_attn.attn", num_slots)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            f"model.layers.{i}.self_attn.attn",
+            num_slots,
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
@@ -152,8 +158,9 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(
             w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps
         )
-        self.gate_up_proj = _Linear(torch.cat([w[p + "mlp.gate_proj.weight"],
-                                               w[p + "mlp.up_proj.weight"]]))
+        self.gate_up_proj = _Linear(
+            torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        )
         self.down_proj = _Linear(w[p + "mlp.down_proj.weight"])
 
     def forward(self, positions, h):

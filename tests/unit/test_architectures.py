@@ -1,7 +1,8 @@
-"""Architecture generality (issue 12, bar 5): the evaluation, the calibration and
-``KakeyaCache`` on tiny randomly initialised Gemma 3-style models (sliding and full layers with
-their own RoPE, head_dim 256, one KV head, q/k norms applied after the head transpose) and
-Qwen3-style models (q_norm/k_norm before RoPE, applied before the head transpose).
+"""Architecture generality: the evaluation, the calibration and ``KakeyaCache`` (its cache
+tests in ``test_architectures_cache.py``) on tiny randomly initialised Gemma 3-style models
+(sliding and full layers with their own RoPE, head_dim 256, one KV head, q/k norms applied
+after the head transpose) and Qwen3-style models (q_norm/k_norm before RoPE, applied before
+the head transpose).
 
 What would catch real bugs:
 
@@ -13,8 +14,6 @@ What would catch real bugs:
   (note a wrong RoPE table alone would not show here: un-rotating and re-rotating with the same
   wrong table is still an identity, hence the direct pre-RoPE checks);
 - bytes: the ratio counts what the cache holds.
-
-
 """
 
 from __future__ import annotations
@@ -27,75 +26,43 @@ import torch
 
 kt = pytest.importorskip("kakeyaturbo")
 pytest.importorskip("kakeyaturbo.hf")
-import transformers as tf  # noqa: E402
+from tiny_archs import (  # noqa: E402
+    ARCH_MODES,
+    ARCHS,
+    BLOCK,
+    CALIB_CTX,
+    CALIB_TOKENS,
+    CTX,
+    GEMMA3_TYPES,
+    MODES,
+    N_EVAL,
+    P8,
+    WINDOW,
+    bundle,
+    hand_moments,
+    pre_rope_qkv,
+    sliding_layers,
+    tiny,
+    token_ids,
+)
 from transformers import DynamicCache  # noqa: E402
 
-from kakeyaturbo.calibration import Calibration, model_fingerprint  # noqa: E402
-from kakeyaturbo.calibration.fit import _Moments, collect_moments, fit_bundle  # noqa: E402
+from kakeyaturbo.calibration import Calibration  # noqa: E402
+from kakeyaturbo.calibration.fit import collect_moments  # noqa: E402
 from kakeyaturbo.eval import hot_window  # noqa: E402
 from kakeyaturbo.eval.harness import evaluate_method, prepare_reference  # noqa: E402
 from kakeyaturbo.eval.methods import Method, MethodOptions  # noqa: E402
-from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaLayer, LayerKind  # noqa: E402
+from kakeyaturbo.hf import KakeyaCache  # noqa: E402
+from kakeyaturbo.hf.layer_plan import LayerKind  # noqa: E402
 from kakeyaturbo.hf.rope import ModelRope  # noqa: E402
 from kakeyaturbo.modeling import Passage, pre_rope_modules  # noqa: E402
-from kakeyaturbo.recipes import default_recipe  # noqa: E402
 
 try:  # build_method is moving from eval.methods to eval.registry
     from kakeyaturbo.eval.registry import build_method  # noqa: E402
 except ImportError:  # pragma: no cover
     from kakeyaturbo.eval.methods import build_method  # noqa: E402
 
-# ~25 s on two busy cores (numpy's multithreaded BLAS in fit_bundle is the most variable part).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # see conftest
-
-ARCHS = ("gemma3", "qwen3")
-MODES = ("snapshot", "in-forward")
-ARCH_MODES = [(arch, mode) for arch in ARCHS for mode in MODES]
-VOCAB = 256
-WINDOW = 64  # Gemma 3 sliding window: the sliding layers' cache holds WINDOW - 1 tokens
-GEMMA3_TYPES = ["sliding_attention", "full_attention"] * 2
-CTX, N_EVAL, BLOCK = 512, 16, 128  # 4 whole blocks per full layer
-P8 = kt.CodecParams(
-    allocation="waterfill", k=0, bits_per_value=8, block_size=BLOCK, pca_method="none"
-)
-
-# ---- tiny models -----------------------------------------------------------------------------
-
-
-@functools.cache
-def tiny(arch: str):
-    """A seeded, randomly initialised float32 model in eval mode."""
-    torch.manual_seed(0)
-    common = dict(
-        num_hidden_layers=4,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=2048,
-        initializer_range=0.1,  # less flat attention than the default 0.02
-    )
-    if arch == "gemma3":
-        cfg = tf.Gemma3TextConfig(
-            hidden_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=256,
-            sliding_window=WINDOW,
-            layer_types=GEMMA3_TYPES,
-            **common,
-        )
-        model = tf.Gemma3ForCausalLM(cfg)
-    elif arch == "qwen3":
-        cfg = tf.Qwen3Config(
-            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **common
-        )
-        model = tf.Qwen3ForCausalLM(cfg)
-    else:
-        raise KeyError(arch)
-    return model.float().eval()
-
-
-def token_ids(rows: int, n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (rows, n), generator=torch.Generator().manual_seed(seed))
 
 
 @functools.cache
@@ -108,46 +75,6 @@ def reference(arch: str):
 def evaluate(arch: str, spec: str, mode: str, method=None):
     method = method if method is not None else build_method(spec)
     return evaluate_method(tiny(arch), reference(arch), method, mode)
-
-
-def sliding_layers(model) -> list[int]:
-    types = getattr(model.config, "layer_types", None) or []
-    return [i for i, t in enumerate(types) if t == "sliding_attention"]
-
-
-def _bthd(out: torch.Tensor, tokens: int, head_dim: int) -> torch.Tensor:
-    """A pre-RoPE module's output as [B, T, H, D], whatever the family's layout."""
-    if out.dim() == 3:  # a projection: [B, T, H*D]
-        return out.reshape(out.shape[0], out.shape[1], -1, head_dim)
-    if out.shape[2] == tokens and out.shape[1] != tokens:  # Gemma 3: norms after the transpose
-        return out.transpose(1, 2)
-    return out  # Qwen3: [B, T, H, D]
-
-
-@torch.inference_mode()
-def pre_rope_qkv(model, ids: torch.Tensor, cache=None) -> dict[int, tuple]:
-    """Run ``ids`` [B, T]; returns {layer: (q, k, v)} as [B, H, T, D] float32, taken from the
-    outputs of ``pre_rope_modules`` (the queries and keys RoPE rotates)."""
-    d = model.config.head_dim
-    got: dict[tuple[int, int], torch.Tensor] = {}
-    hooks = []
-    for li, layer in enumerate(model.model.layers):
-        for j, mod in enumerate(pre_rope_modules(layer.self_attn)):
-
-            def hook(_m, _i, out, key=(li, j)):
-                got[key] = out.detach().clone()
-
-            hooks.append(mod.register_forward_hook(hook))
-    try:
-        model(ids, **{CACHE_ARG: cache}, use_cache=cache is not None)
-    finally:
-        for h in hooks:
-            h.remove()
-    t = ids.shape[1]
-    return {
-        li: tuple(_bthd(got[(li, j)], t, d).transpose(1, 2).float() for j in range(3))
-        for li in range(len(model.model.layers))
-    }
 
 
 def test_configs_exercise_what_they_claim():
@@ -327,33 +254,6 @@ def test_eval_bf16_bytes_equal_the_baseline(arch, mode):
 
 # ---- 3. calibration --------------------------------------------------------------------------
 
-CALIB_TOKENS, CALIB_CTX = 768, 256
-
-
-def hand_moments(model) -> list[_Moments]:
-    """The calibration moments, collected with this file's layout-aware hooks."""
-    cfg = model.config
-    moments = [_Moments(cfg.num_key_value_heads, cfg.head_dim) for _ in model.model.layers]
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    ids = token_ids(1, CALIB_TOKENS, seed=2)
-    for lo in range(0, CALIB_TOKENS, CALIB_CTX):
-        qkv = pre_rope_qkv(model, ids[:, lo : lo + CALIB_CTX])
-        for li, m in enumerate(moments):
-            q, k, v = (x[0].transpose(0, 1).double().numpy() for x in qkv[li])  # [T, H, D]
-            m.add(q, k, v, group)
-    return moments
-
-
-@functools.cache
-def bundle(arch: str) -> Calibration:
-    model = tiny(arch)
-    moments = hand_moments(model)
-    return Calibration(
-        fingerprint=model_fingerprint(model),
-        tensors=fit_bundle(moments),
-        meta={"tokens": CALIB_TOKENS, "ctx": CALIB_CTX},
-    )
-
 
 @pytest.mark.parametrize(
     "arch",
@@ -431,86 +331,3 @@ def test_in_forward_hot_spans_snapshot_to_in_forward(arch, monkeypatch):
         kl[window] = evaluate(arch, spec, "in-forward-hot")["kl"]
     assert kl[CTX] == pytest.approx(snap, rel=0.05) and kl[0] == pytest.approx(fwd, rel=0.05)
     assert snap < kl[CTX // 4] < fwd, (snap, kl, fwd)
-
-
-# ---- 4. KakeyaCache --------------------------------------------------------------------------
-
-
-def teacher_forced(model, cache, ids: torch.Tensor, prefix: int) -> torch.Tensor:
-    """Prefill ``prefix`` tokens, then the rest in one forward and then one at a time; the
-    continuation's logits [B, T - prefix, V]."""
-    with torch.inference_mode():
-        model(ids[:, :prefix], **{CACHE_ARG: cache}, use_cache=True)
-        mid = prefix + (ids.shape[1] - prefix) // 2
-        out = [model(ids[:, prefix:mid], **{CACHE_ARG: cache}, use_cache=True).logits]
-        for i in range(mid, ids.shape[1]):
-            out.append(model(ids[:, i : i + 1], **{CACHE_ARG: cache}, use_cache=True).logits)
-    return torch.cat(out, dim=1).float()
-
-
-def check_plan(cache: KakeyaCache, model) -> None:
-    sliding = sliding_layers(model)
-    kinds = [s.kind for s in cache.layer_plan]
-    assert kinds == [LayerKind.SLIDING if i in sliding else LayerKind.COMPRESSED for i in range(4)]
-    for spec, layer in zip(cache.layer_plan, cache.layers):
-        if spec.kind is LayerKind.SLIDING:
-            assert type(layer) is tf.cache_utils.DynamicSlidingWindowLayer
-            assert spec.window == WINDOW
-        else:
-            assert isinstance(layer, KakeyaLayer)
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_cache_generate_and_memory_report(arch):
-    model = tiny(arch)
-    recipe = default_recipe(block_size=BLOCK)
-    cache = KakeyaCache.from_model(model, recipe=recipe, residual_length=64)
-    assert cache.pre_rope  # each layer type's RoPE is invertible
-    check_plan(cache, model)
-    ids = token_ids(1, 320, seed=3)
-    with torch.inference_mode():
-        out = model.generate(ids, **{CACHE_ARG: cache}, max_new_tokens=8, do_sample=False)
-    assert out.shape == (1, 328) and torch.equal(out[:, :320], ids)
-    rep = cache.memory_report()
-    assert rep["compressed_bytes"] > 0 and rep["ratio"] > 1.0
-    for spec, lrep in zip(cache.layer_plan, rep["layers"]):
-        assert cache.get_seq_length(spec.index) == 327  # the last new token is never fed back
-        if spec.kind is LayerKind.SLIDING:
-            assert lrep["compressed_bytes"] == 0 and lrep["full_precision_bytes"] > 0
-        else:
-            assert lrep["compressed_tokens"] == 2 * BLOCK  # (327 - 64) // 128 blocks
-            assert lrep["compressed_bytes"] > 0
-
-
-@pytest.mark.parametrize("calibrated", [False, True], ids=["self-fitted", "calibrated"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_cache_near_lossless_matches_dynamic_cache(arch, calibrated, tmp_path):
-    """At 8 bits per value, teacher-forced logits over a continuation match a DynamicCache
-    run (prefill, a multi-token forward, then single-token steps over compressed blocks)."""
-    model = tiny(arch)
-    calibration = str(bundle(arch).save(tmp_path / "bundle")) if calibrated else None
-    cache = KakeyaCache.from_model(
-        model, calibration=calibration, k_params=P8, v_params=P8, residual_length=32
-    )
-    check_plan(cache, model)
-    assert cache.pre_rope and (cache.calibration is not None) == calibrated
-    ids = token_ids(2, 352, seed=4)
-    got = teacher_forced(model, cache, ids, 320)
-    want = teacher_forced(model, DynamicCache(config=model.config), ids, 320)
-    assert torch.isfinite(got).all()
-    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= 0.95, agree
-    kl = (
-        torch.nn.functional.kl_div(
-            got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="batchmean"
-        ).item()
-        / got.shape[1]
-    )
-    assert kl < 1e-3, kl
-    rep = cache.memory_report()
-    assert rep["compressed_bytes"] > 0
-    assert all(
-        lrep["compressed_tokens"] == 2 * BLOCK
-        for spec, lrep in zip(cache.layer_plan, rep["layers"])
-        if spec.kind is LayerKind.COMPRESSED
-    )

@@ -283,9 +283,7 @@ def test_exact_runs_read_as_held_equal_one_float32_array():
         runs[name] = ([*held, new.numpy()], torch.cat((hot.float(), new), 1))
     for k in (runs["k"][0], tuple(runs["k"][0])):  # a list or a tuple of runs
         got = coded_attend(kencs, vencs, s, q, k, runs["v"][0], 0.125)
-        want = coded_attend(
-            kencs, vencs, s, q, runs["k"][1].numpy(), runs["v"][1].numpy(), 0.125
-        )
+        want = coded_attend(kencs, vencs, s, q, runs["k"][1].numpy(), runs["v"][1].numpy(), 0.125)
         assert np.array_equal(got, want)
     # Values held as int8 rows (a cache's hot window) are read as held: the bits of the same
     # rows decoded to float32 by torch.
@@ -365,8 +363,18 @@ def test_heads_scales_as_codes_are_the_scales_decoded():
 
     def call(ks, vs):
         return coded_attend(
-            encs, encs, s, q, ex, ex, 0.125, value_frames=frames, heads=heads,
-            exact_queries=own, key_scales=ks, value_scales=vs,
+            encs,
+            encs,
+            s,
+            q,
+            ex,
+            ex,
+            0.125,
+            value_frames=frames,
+            heads=heads,
+            exact_queries=own,
+            key_scales=ks,
+            value_scales=vs,
         )
 
     want = call(scales, scales)

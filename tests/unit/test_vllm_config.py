@@ -8,7 +8,10 @@ import json
 import pytest
 
 from kakeyaturbo.recipes import Recipe, default_recipe
-from kakeyaturbo.vllm import CONFIG_ENV, VLLMHookConfig, config_from_env, layer_index
+from kakeyaturbo.vllm import VLLMHookConfig
+from kakeyaturbo.vllm.config import CONFIG_ENV
+from kakeyaturbo.vllm.hooks import layer_index
+from kakeyaturbo.vllm.plugin import config_from_env
 
 
 def test_defaults_are_the_recipes():
@@ -43,10 +46,16 @@ def test_recipe_carries_the_config():
 
 
 def test_json_overrides_fields_of_the_recipe(tmp_path):
-    text = json.dumps({
-        "mode": "in-forward", "streams": "k", "skip_layers": [5, 0, 5],
-        "k_params": {"bits_per_value": 2.0}, "sink_tokens": 0, "stats_file": "s-{pid}.json",
-    })
+    text = json.dumps(
+        {
+            "mode": "in-forward",
+            "streams": "k",
+            "skip_layers": [5, 0, 5],
+            "k_params": {"bits_per_value": 2.0},
+            "sink_tokens": 0,
+            "stats_file": "s-{pid}.json",
+        }
+    )
     cfg = VLLMHookConfig.from_json(text)
     assert cfg.mode == "in-forward" and cfg.skip_layers == (0, 5) and cfg.sink_tokens == 0
     assert cfg.codec_params["k"] == default_recipe().k.replace(bits_per_value=2.0)
@@ -114,4 +123,3 @@ def test_layer_index_from_vllm_layer_names():
     for bad in ("model.attn", "model.layers.1.experts.2.attn"):
         with pytest.raises(ValueError, match="layer index"):
             layer_index(bad)
-

@@ -235,6 +235,7 @@ class Calibration:
             return None
         off = [float(b) for b in scan["offsets"][stream]]
         if len(off) != self.num_layers:
-            raise CalibrationError(f"sensitivity offsets for {len(off)} layers, bundle has "
-                                   f"{self.num_layers}")
+            raise CalibrationError(
+                f"sensitivity offsets for {len(off)} layers, bundle has {self.num_layers}"
+            )
         return off

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
+import shutil
+import tempfile
 from pathlib import Path
 
-from ..cli import add_model_argument
+from ..cli_args import add_model_argument, add_text_argument, int_at_least, positive_float
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="fit a calibration bundle (query-aware key frames, bases)")
     add_model_argument(p)
-    p.add_argument(
-        "--text", required=True, type=Path, help="calibration text (never the evaluation text)"
-    )
+    add_text_argument(p, "calibration text (never the evaluation text)")
     p.add_argument("--out", required=True, type=Path, help="bundle folder to write")
-    p.add_argument("--tokens", type=int, default=200_000, help="calibration tokens")
-    p.add_argument("--ctx", type=int, default=1024, help="window length of each forward pass")
+    p.add_argument("--tokens", type=int_at_least(1), default=200_000, help="calibration tokens")
+    p.add_argument(
+        "--ctx", type=int_at_least(1), default=1024, help="window length of each forward pass"
+    )
     p.add_argument(
         "--sensitivity-passages",
-        type=int,
+        type=int_at_least(0),
         default=4,
         help="passages of the per-layer sensitivity scan (0: skip it)",
     )
@@ -47,13 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="fit one coding frame across each layer's KV heads, which recipes built from the "
         "bundle then code with: better quality per byte (docs/recipe.md item 11), slower "
-        "attention over the codes (docs/speed.md). Default: on for layers of 2 or more KV heads "
+        "attention over the codes. Default: on for layers of 2 or more KV heads "
         "at most 512 values wide, unless --value-metric output; --no-joint-heads keeps a frame "
         "per KV head",
     )
     p.add_argument(
         "--ridge",
-        type=float,
+        type=positive_float,
         default=1e-3,
         help="ridge added to the query second moment, relative to its mean eigenvalue",
     )
@@ -74,22 +75,28 @@ def run(args: argparse.Namespace) -> int:
         ridge=args.ridge,
         value_metric=args.value_metric == "output",
         joint_heads=args.joint_heads,
-        command="kakeyaturbo " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        command="kakeyaturbo " + shlex.join(getattr(args, "_argv", [])),
     )
-    out = calib.save(args.out)
     if args.sensitivity_passages > 0:
         from ..eval.sensitivity import scan
 
-        calib.meta["sensitivity"] = scan(
-            model,
-            tok,
-            out,
-            args.text,
-            passages=args.sensitivity_passages,
-            mode=args.sensitivity_mode,
-        )
-        calib.save(out)
+        # The scan reads the bundle from disk: a scratch copy, so that a failed scan leaves
+        # no bundle at --out.
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent)
+        try:
+            calib.meta["sensitivity"] = scan(
+                model,
+                tok,
+                calib.save(scratch),
+                args.text,
+                passages=args.sensitivity_passages,
+                mode=args.sensitivity_mode,
+            )
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         print("per-layer bit offsets:", calib.meta["sensitivity"]["offsets"])
+    out = calib.save(args.out)
     print(
         f"wrote calibration bundle {out} ({calib.meta['tokens']} tokens, "
         f"{calib.nbytes / 1e6:.2f} MB of tensors)"

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kakeyaturbo.eval.baselines import HFQuantizedCache
 from kakeyaturbo.eval.harness import compress_stream
+from kakeyaturbo.eval.hf_baselines import HFQuantizedCache
 from kakeyaturbo.eval.methods import Method
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf import CACHE_ARG

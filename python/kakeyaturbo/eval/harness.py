@@ -34,7 +34,8 @@ import torch
 from transformers import DynamicCache
 
 from kakeyaturbo.eval import hot_window
-from kakeyaturbo.eval.baselines import HFQuantizedCache, bf16_round
+from kakeyaturbo.eval.baselines import bf16_round
+from kakeyaturbo.eval.hf_baselines import HFQuantizedCache
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
 from kakeyaturbo.hf import CACHE_ARG, int8_rows

@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kakeyaturbo.hf import int8_rows
 from kakeyaturbo.hf.cache import DEFAULT_RESIDUAL_LENGTH
-from kakeyaturbo.hf.coded_attention import mask_bias
+from kakeyaturbo.hf.coded_bias import mask_bias
 
 __all__ = ["HOT_WINDOW", "NAME", "exact_window", "stash"]
 

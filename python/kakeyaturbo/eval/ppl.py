@@ -84,20 +84,18 @@ def load_setup(
 ) -> Setup:
     """Load the model, cut the passages (``copy``: the copying test, see
     :func:`~kakeyaturbo.modeling.copy_passages`) and run the reference."""
+    if copy and n_eval >= ctx:
+        raise ValueError("the copying test needs n_eval < ctx (scored tokens in the copy)")
     torch.manual_seed(0)
     model, tokenizer = load_model(model_dir)
     ids = tokenize_text(tokenizer, read_text(text))
-    if copy and n_eval >= ctx:
-        raise ValueError("the copying test needs n_eval < ctx (scored tokens in the copy)")
     cut = copy_passages if copy else cut_passages
     chunks = cut(ids, passages, ctx + n_eval + 1)
     with tqdm(
         total=len(chunks), desc="reference", unit="passage", disable=not progress, file=sys.stderr
     ) as bar:
         ref = prepare_reference(model, chunks, ctx, n_eval, batch=batch, progress=bar)
-    return Setup(
-        model, str(model_dir), str(text), ctx, n_eval, ref, "copy" if copy else "passages"
-    )
+    return Setup(model, str(model_dir), str(text), ctx, n_eval, ref, "copy" if copy else "passages")
 
 
 def run_methods(
@@ -160,8 +158,11 @@ def _ppl_ref(rows: list[dict[str, Any]]) -> float | None:
 
 
 def write_json(obj: dict[str, Any], path: str | Path) -> None:
+    """Writes ``obj`` to ``path`` whole or not at all (a temporary file, then a rename)."""
     import json
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, allow_nan=False) + "\n")
+    from kakeyaturbo.cli_args import atomic_path
+
+    text = json.dumps(obj, indent=1, allow_nan=False) + "\n"
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)

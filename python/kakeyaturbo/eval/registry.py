@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kakeyaturbo.eval import baselines, kakeya  # noqa: F401 - importing registers them
+from kakeyaturbo.eval import baselines, hf_baselines, kakeya  # noqa: F401 - importing registers them
 from kakeyaturbo.eval.methods import (
     COMMON_KEYS,
     METHOD_HELP,

@@ -81,15 +81,13 @@ def _setup(obj: dict[str, Any]) -> str:
     )
 
 
+def _section(obj: dict[str, Any], title: str, setup: bool = True) -> list[str]:
+    """A section's heading, the command that made it, its setup and its environment."""
+    return [f"## {title}", "", _cmd(obj), *([_setup(obj)] if setup else []), _env(obj), ""]
+
+
 def _sweep(obj: dict[str, Any], name: str) -> list[str]:
-    out = [
-        f"## Pareto table: compression ratio vs quality (`{name}`)",
-        "",
-        _cmd(obj),
-        _setup(obj),
-        _env(obj),
-        "",
-    ]
+    out = _section(obj, f"Pareto table: compression ratio vs quality (`{name}`)")
     out.append(
         "| method | bits | ratio | bits/value | stored bytes/prefix | delta-ppl [95% CI] | KL "
         "| top-1 | verdict | front (dppl) | front (KL) |"
@@ -149,14 +147,7 @@ def _sweep_summary(obj: dict[str, Any]) -> list[str]:
 
 
 def _layers(obj: dict[str, Any], name: str) -> list[str]:
-    out = [
-        f"## Diagnostics for `{obj['method']}` (`{name}`)",
-        "",
-        _cmd(obj),
-        _setup(obj),
-        _env(obj),
-        "",
-    ]
+    out = _section(obj, f"Diagnostics for `{obj['method']}` (`{name}`)")
 
     def opt(r, key):
         o = r.get("options") or {}
@@ -176,13 +167,7 @@ def _layers(obj: dict[str, Any], name: str) -> list[str]:
 
 
 def _bytes_section(obj: dict[str, Any], name: str) -> list[str]:
-    out = [
-        f"## Bytes per layer and long-context projection (`{name}`)",
-        "",
-        _cmd(obj),
-        _env(obj),
-        "",
-    ]
+    out = _section(obj, f"Bytes per layer and long-context projection (`{name}`)", setup=False)
     out.append(
         f"Layer types: {', '.join(sorted(set(obj['layer_types'])))}; unit costs fitted on "
         f"prefixes of at most {obj['fit_max']} tokens, checked against longer measured prefixes."
@@ -247,7 +232,7 @@ def _bytes_section(obj: dict[str, Any], name: str) -> list[str]:
 
 
 def _ppl(obj: dict[str, Any], name: str) -> list[str]:
-    out = [f"## `eval ppl` results (`{name}`)", "", _cmd(obj), _setup(obj), _env(obj), ""]
+    out = _section(obj, f"`eval ppl` results (`{name}`)")
     return out + _quality_table(obj["methods"]) + [""]
 
 
@@ -281,6 +266,9 @@ window, so as shipped it also quantizes the scored continuation tokens.
 
 """
 
+#: A results folder's own index of its files, put after the header when present.
+INDEX = "index.md"
+
 WEAK_MODEL_NOTE = """\
 kt-ref-a is a weak model (flat predictions): a KV error moves perplexity little (in either
 direction) and flips top-1 sooner, so read KL and top-1 alongside delta-ppl. Quality claims are
@@ -300,6 +288,10 @@ def render(results: Path, all_command: str | None = None) -> str:
     for _, o in objs:
         all_cmd = all_cmd or o.get("all_command")
     lines = [HEADER.format(all_command=all_cmd or "(run the commands below)")]
+    # A hand-written index beside the results (what each file shows) survives regeneration.
+    index = Path(results) / INDEX
+    if index.is_file():
+        lines.append(index.read_text().rstrip() + "\n")
     if any("kt-ref-a" in str(o.get("model", "")) for _, o in objs):
         lines.append(WEAK_MODEL_NOTE)
     order = {"sweep": 0, "layers": 1, "bytes": 2, "ppl": 3}

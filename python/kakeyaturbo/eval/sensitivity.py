@@ -17,9 +17,18 @@ from kakeyaturbo.modeling import cut_passages, read_text, tokenize_text
 __all__ = ["scan"]
 
 
-def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passages: int = 4,
-         ctx: int = 960, n_eval: int = 64, probe_bits: float = 2.0,
-         progress: bool = True, mode: str = "snapshot") -> dict:
+def scan(
+    model,
+    tokenizer,
+    bundle_dir: str | Path,
+    text_file: str | Path,
+    passages: int = 4,
+    ctx: int = 960,
+    n_eval: int = 64,
+    probe_bits: float = 2.0,
+    progress: bool = True,
+    mode: str = "snapshot",
+) -> dict:
     """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``; ``mode``
     "in-forward" measures each layer with its error carried through the layers above it, and
     "both" takes the geometric mean of the two protocols' KLs, so each layer's offset is the
@@ -52,7 +61,7 @@ def scan(model, tokenizer, bundle_dir: str | Path, text_file: str | Path, passag
         "offsets": joint_offsets(kl),
     }
     if mode == "both":  # each protocol's own KLs, so other blends need no second scan
-        # Named: bundles scanned before the 18th session summed the two KLs under the same mode.
+        # Named, so a reader of the bundle can tell this blend from a sum of the two KLs.
         out["blend"] = "geometric mean"
         out["kl_by_mode"] = per_mode
     return out

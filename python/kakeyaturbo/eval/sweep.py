@@ -25,7 +25,7 @@ DEFAULT_FAMILIES = [
     "turboquant:bits={bits}",
     "turboquant:bits={bits},k_qjl=1",
     "hf-hqq:bits={bits}",
-    # hqq's 3-bit packing only works on axis 0 (see baselines.HFHqq): the 3-bit point of that peer
+    # hqq's 3-bit packing only works on axis 0 (hf_baselines.HFHqq): the 3-bit point of that peer
     "hf-hqq:bits=3,axis_key=0,axis_value=0",
     "hf-quanto:bits={bits}",
 ]

@@ -2,7 +2,7 @@
 
 The codec's own decoder runs on the CPU. A model on an accelerator that attends over the codes
 (``hf/coded_attention.py``, off the CPU) would otherwise decode every block on the CPU on every
-step and copy the coordinates over, so the CPU sets the pace (``docs/speed.md``). Here a
+step and copy the coordinates over, so the CPU would set the pace. Here a
 stream kind's blocks are held on the device once, when they are written (their packed code
 streams and side values as stored: :class:`DeviceBlocks`), and each step decodes them there
 with a handful of gathers and multiply-adds per run of equal blocks (on a GPU with Triton, one

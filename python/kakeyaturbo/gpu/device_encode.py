@@ -1,12 +1,11 @@
 """Coding blocks with torch ops on the device the model runs on: the codec's water-filling
-encoder, giving the :class:`~kakeyaturbo.device_decode.PackedRun` the device decoder reads.
+encoder, giving the :class:`~kakeyaturbo.gpu.device_decode.PackedRun` the device decoder reads.
 
 A model on an accelerator whose cache holds its blocks there (``hf/layer.py``) would otherwise
 copy each flushed span to the host, code it there and copy the codes back: on a GPU the
-prompt's prefill then waits on the CPU for most of its time (``reports/gpu_h100.txt``: 29x
-DynamicCache's prefill at 4k). Here the same blocks are coded where the tokens are, by a
-few dozen ops over every stream-block of a flush (several layers' flushes together,
-``Pipeline.encode_layers_on_device``).
+prompt's prefill then waits on the CPU for most of its time (``reports/gpu_h100.txt``). Here
+the same blocks are coded where the tokens are, by a few dozen ops over every stream-block of
+a flush (several layers' flushes together, ``Pipeline.encode_layers_on_device``).
 
 The arithmetic is the codec's, in its order (``rust/kakeyaturbo/src/waterfill.rs``): the mean
 in float64, rounded to float32 then to the skeleton dtype; each component's scale the square

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import CheckedKernel, tl, triton, within_tolerance
+from .triton_support import CheckedKernel, program_tile, tl, triton, within_tolerance
 
 __all__ = [
     "KERNEL",
     "MAX_ROWS",
+    "close",
     "joint_key_logits",
     "joint_key_logits_with_torch",
     "usable",
@@ -55,10 +56,12 @@ def usable(y, frame, rotation, q, order) -> bool:
     these inputs if it has not been checked there yet)."""
     if q.shape[1] * q.shape[2] > MAX_ROWS:
         return False
-    return KERNEL.usable(y.device, lambda: _close(y, frame, rotation, q, order))
+    return KERNEL.usable(y.device, lambda: close(y, frame, rotation, q, order))
 
 
-def _close(y, frame, rotation, q, order) -> bool:
+def close(y, frame, rotation, q, order) -> bool:
+    """Whether :func:`joint_key_logits` agrees with its torch twin in float64 on these inputs
+    (the check :func:`usable` runs once per device)."""
     got = joint_key_logits(y, frame, rotation, q, order)
     # The reference in float64: torch's own float32 products may be TF32 where a user has
     # allowed it (torch.set_float32_matmul_precision), which the kernel's must not be taken for.
@@ -72,11 +75,11 @@ def wide_queries(q: torch.Tensor, order: torch.Tensor | None = None) -> torch.Te
     zero elsewhere, the columns in ``order`` (indices into the heads' channels side by side;
     None: as they are)."""
     b, h, rows, d = q.shape
-    # One copy into the diagonal of [B, H, rows, H, D] (half the time of a slice copy per head).
+    # One copy into the diagonal of [B, H, rows, H, D], not a slice copy per head.
     wide = q.new_zeros(b, h, rows, h, d)
     wide.diagonal(dim1=1, dim2=3).copy_(q.permute(0, 2, 3, 1))
     wide = wide.view(b, h * rows, h * d)
-    # index_select: a quarter of advanced indexing's time on the queries.
+    # index_select: one gather, lighter than advanced indexing on the queries.
     return wide if order is None else wide.index_select(-1, order)
 
 
@@ -105,16 +108,10 @@ def joint_key_logits_with_torch(
     return wide_queries(q.to(keys.dtype), order) @ turned.transpose(-1, -2)
 
 
-def joint_key_logits(
-    y: torch.Tensor,
-    frame: torch.Tensor,
-    rotation: torch.Tensor,
-    q: torch.Tensor,
-    order: torch.Tensor,
-) -> torch.Tensor:
-    """:func:`joint_key_logits_with_torch` by the kernel (on the inputs' device; on the CPU
-    only in Triton's interpreter). It reads each head's queries where they are: no wide
-    queries are built."""
+def joint_key_logits(y, frame, rotation, q, order) -> torch.Tensor:
+    """:func:`joint_key_logits_with_torch` by the kernel, arguments as there (on the inputs'
+    device; on the CPU only in Triton's interpreter). It reads each head's queries where they
+    are: no wide queries are built."""
     if triton is None:
         raise RuntimeError("the fused key logits need Triton, which is not installed")
     b, t, c = y.shape
@@ -133,7 +130,7 @@ def joint_key_logits(
     out = torch.empty(b, h * rows, t, dtype=torch.float32, device=y.device)
     if out.numel():
         pow2 = lambda n, top: max(16, min(triton.next_power_of_2(max(n, 1)), top))  # noqa: E731
-        _key_logits_kernel[(b, triton.cdiv(t, BLOCK_T))](
+        key_logits_kernel[(b, triton.cdiv(t, BLOCK_T))](
             y,
             frame,
             rotation,
@@ -183,7 +180,7 @@ if triton is not None:
         return tl.load(qb + (src % D)[None, :], mask=rm[:, None] & cm[None, :] & own, other=0.0)
 
     @triton.jit
-    def _key_logits_kernel(
+    def key_logits_kernel(
         y,  # float32 [B, T, C]: the blocks' coordinates
         frame,  # float32 [C, W]: first halves (P), second halves (P), unrotated (R)
         rotation,  # float32 [B or 1, T, 2, P]: cosines, then sines
@@ -204,8 +201,7 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         BLOCK_Q: tl.constexpr,
     ):
-        b = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        b, t = program_tile(BLOCK_T)
         tm = t < T
         c = tl.arange(0, BLOCK_C)
         r = tl.arange(0, BLOCK_Q)

@@ -2,9 +2,9 @@
 (``device_decode.PackedRun``) and their token norms (``norm_codes.StackedNorms``).
 
 The torch decoder of ``device_decode.py`` takes 27 small ops per run of blocks. On a GPU each
-is a kernel launch the host queues one by one, and an H100 decode step of SmolLM2 was about
-80 ms of host work around under 18 ms of device work (``reports/gpu_h100.txt``, 31st
-session): those ops, 60 runs per step, were 1,620 of the step's 4,183 launches. This kernel
+is a kernel launch the host queues one by one, and on an H100 the host's queueing, not the
+device's work, sets a decode step's pace (``reports/gpu_h100.txt``): those ops, 60 runs per
+step, are 1,620 of a SmolLM2 decode step's 4,183 launches. This kernel
 does a run's whole decode in one launch: each program reads its vectors' codes from the
 packed stream (a code spans at most two bytes), looks their levels up and writes ``mean +
 (level * sigma) * gain``, the torch decoder's float32 operations in its order, with fused
@@ -31,9 +31,18 @@ from typing import Any
 
 import torch
 
-from .triton_support import CheckedKernel, tl, triton
+from .triton_support import CheckedKernel, program_tile, tl, triton
 
-__all__ = ["KERNEL", "NORMS", "decode", "decode_norms", "norms_usable", "usable"]
+__all__ = [
+    "KERNEL",
+    "NORMS",
+    "decode",
+    "decode_norms",
+    "norms_close",
+    "norms_usable",
+    "same_bits",
+    "usable",
+]
 
 #: Vectors and components per program: 32 x 128 values, 16 KB of output. (``PackedRun``
 #: holds the outliers by tiles of BLOCK_N vectors.)
@@ -55,10 +64,10 @@ def usable(run: Any) -> bool:
     """Whether ``run`` (a ``device_decode.PackedRun``) decodes with the kernel: on a CUDA
     device, with Triton, not disabled by ``KAKEYATURBO_TRITON=0``, and checked there (its
     first call on each device checks)."""
-    return KERNEL.usable(run.codes.device, lambda: _same_bits(run))
+    return KERNEL.usable(run.codes.device, lambda: same_bits(run))
 
 
-def _same_bits(run: Any) -> bool:
+def same_bits(run: Any) -> bool:
     """Whether the kernel decodes ``run`` as the torch decoder does, bit for bit."""
     return torch.equal(decode(run), run.decode_with_torch())
 
@@ -67,10 +76,12 @@ def norms_usable(codes: torch.Tensor, low: torch.Tensor, step: torch.Tensor, wit
     """Whether :func:`decode_norms` runs the kernel for a run's norms (arguments as there):
     on a CUDA device, with Triton, not disabled, and checked there against ``with_torch``
     (the same arguments' norms by torch ops: ``norm_codes.decode_run_with_torch``)."""
-    return NORMS.usable(codes.device, lambda: _norms_close(codes, low, step, with_torch))
+    return NORMS.usable(codes.device, lambda: norms_close(codes, low, step, with_torch))
 
 
-def _norms_close(codes, low, step, with_torch) -> bool:
+def norms_close(codes, low, step, with_torch) -> bool:
+    """Whether :func:`decode_norms` gives ``with_torch``'s norms to :data:`NORM_TOLERANCE`,
+    zeros where they are zero (the check :func:`norms_usable` runs once per device)."""
     got, want = decode_norms(codes, low, step), with_torch(codes, low, step)
     if got.shape != want.shape or not torch.equal(got == 0, want == 0):
         return False
@@ -88,7 +99,7 @@ def decode_norms(codes: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> 
     out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     if out.numel():
         streams = low.numel()
-        _norms_kernel[(streams, triton.cdiv(tokens, NORM_BLOCK))](
+        norms_kernel[(streams, triton.cdiv(tokens, NORM_BLOCK))](
             codes,
             low,
             step,
@@ -111,7 +122,7 @@ def decode(run: Any) -> torch.Tensor:
     if out.numel():
         block_d = min(triton.next_power_of_2(d), MAX_BLOCK_D)
         grid = (k, triton.cdiv(run.n, BLOCK_N), triton.cdiv(d, block_d))
-        _decode_kernel[grid](
+        decode_kernel[grid](
             run.codes,
             run.base,
             run.per_vector,
@@ -139,7 +150,7 @@ def decode(run: Any) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(
+    def decode_kernel(
         codes,  # uint8: the run's packed code streams, zero-padded
         base,  # int64 [K]: the byte where each stream-block's codes start
         per_vector,  # int64 [K]: bits of one vector
@@ -160,8 +171,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_O: tl.constexpr,
     ):
-        k = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, t = program_tile(BLOCK_N)
         j = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
         jm = j < d
         side = k * d + j
@@ -201,7 +211,7 @@ if triton is not None:
                 tl.store(out + at, tl.load(outlier_dec + o, mask=om, other=0.0), mask=om)
 
     @triton.jit
-    def _norms_kernel(
+    def norms_kernel(
         codes,  # uint8 [streams, tokens]: one block stream's norm codes per row
         low,  # float32 [streams]: log2 of its smallest norm
         step,  # float32 [streams]: its log2 step per code
@@ -209,8 +219,7 @@ if triton is not None:
         tokens,
         BLOCK: tl.constexpr,
     ):
-        s = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        s, t = program_tile(BLOCK)
         ok = t < tokens
         code = tl.load(codes + s * tokens + t, mask=ok, other=0).to(tl.float32)
         lg = (code - 1.0) * tl.load(step + s) + tl.load(low + s)

@@ -65,7 +65,7 @@ def encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         out = torch.empty(*x.shape[:-1], d + 2, dtype=torch.int8, device=x.device)
     if rows.shape[0]:
-        _encode_kernel[(triton.cdiv(rows.shape[0], BLOCK_ROWS),)](
+        encode_kernel[(triton.cdiv(rows.shape[0], BLOCK_ROWS),)](
             rows,
             out,
             rows.shape[0],
@@ -79,7 +79,7 @@ def encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _encode_kernel(x, out, n, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    def encode_kernel(x, out, n, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
         r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         j = tl.arange(0, BLOCK_D)
         ok = (r < n)[:, None] & (j < D)[None, :]

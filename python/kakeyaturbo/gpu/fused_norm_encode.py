@@ -4,7 +4,7 @@ launch.
 A flush on the device codes the norms of its layers' blocks, the token norms or the heads'
 scales, by :func:`norm_codes.encode_norms` and the log2 of its bounds: about 18 small torch ops
 per call, each a launch the host queues (540 of a 4k prefill's 2,520 cache ops on SmolLM2 with
-the default flush, ``reports/device_op_counts.txt``, 38th session). The kernel does a block
+the default flush, ``reports/device_op_counts.txt``). The kernel does a block
 stream's whole coding in one program: its smallest nonzero and largest norm, the bounds rounded
 to float16 as the decoder reads them, their log2 and step, and each token's code, the torch ops'
 float32 operations in their order (divisions IEEE-rounded, ties of the rounding to even).
@@ -85,7 +85,7 @@ def encode(norms: torch.Tensor, tokens: int, divisor: torch.Tensor | None = None
     step = torch.empty(r, h, blocks, dtype=torch.float32, device=dev)
     if codes.numel():
         over = norms if divisor is None else divisor  # (read only where given)
-        _norm_codes_kernel[(r * h, blocks)](
+        norm_codes_kernel[(r * h, blocks)](
             norms,
             over,
             codes,
@@ -110,7 +110,7 @@ if triton is not None:
     _HALF_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
 
     @triton.jit
-    def _norm_codes_kernel(
+    def norm_codes_kernel(
         norms,  # [R, H, T] float16 or float32, strides (sr, sh, st)
         divisor,  # [R, H, T] float32, strides (dr, dh, dt): norms over it (HAS_DIVISOR)
         codes,  # uint8 [R * H * blocks, tokens]

@@ -1,8 +1,9 @@
 """What the package's Triton kernels share: Triton itself where it imports, and the rule that
 a kernel serves a device only once its first call there agreed with the torch ops it replaces.
 
-The kernels (``fused_decode.py``, ``fused_encode.py``, ``fused_norm_encode.py``,
-``fused_attention.py``, ``fused_joint_attend.py``, ``fused_int8_rows.py``) run where the model
+The kernels (``fused_decode.py``, ``fused_encode.py`` with ``encode_kernels.py``,
+``fused_norm_encode.py``, ``fused_attention.py``, ``fused_joint_attend.py`` with
+``joint_attend_kernels.py``, ``fused_int8_rows.py``) run where the model
 does, on CUDA devices; nothing here imports the rest of the package (no import cycle), so any
 module may use it.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "CheckedKernel",
     "bf16_bits",
     "checked_kernels",
+    "program_tile",
     "round_half_even",
     "tl",
     "triton",
@@ -124,6 +126,13 @@ if triton is not None:
         ``torch.round``: adding and taking away 1.5 * 2^23 leaves the integer, exactly."""
         return (x + 12582912.0) - 12582912.0
 
+    @triton.jit
+    def program_tile(BLOCK: tl.constexpr):
+        """This program's index along the launch's first axis (int64: a batch row, a stream)
+        and its tile of ``BLOCK`` consecutive indices along the second."""
+        return tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+
 else:
     bf16_bits = None
+    program_tile = None
     round_half_even = None

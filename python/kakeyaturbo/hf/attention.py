@@ -26,16 +26,9 @@ NAME = "kakeya"
 ACTIVE_STEP: ContextVar[Any] = ContextVar("kakeyaturbo_active_step", default=None)
 
 
-def kakeya_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def kakeya_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs: Any):
+    """transformers' attention interface (``dropout``, ``scaling`` and the rest by keyword, as
+    models pass them): over a layer's codes where the cache handed them over, else ``sdpa``."""
     step = ACTIVE_STEP.get()
     view = None
     if step is not None and step.coded:
@@ -47,13 +40,12 @@ def kakeya_attention(
             )
         view = step.coded.pop(idx, None)
     if view is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if dropout and module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("dropout") and module.training:
         raise NotImplementedError("kakeya attention is for inference: attention dropout is on")
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("kakeya attention does not support learned attention sinks")
+    scaling = kwargs.get("scaling")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = view.attend(query, key, value, attention_mask, scaling, kwargs.get("softcap"))

@@ -32,17 +32,14 @@ from ..recipes import Recipe, default_recipe
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .attention import ACTIVE_STEP
 from .attention import NAME as ATTENTION_NAME
+from .blocks import storage_bytes
 from .budget import DecodedBudget
-from .layer import (
-    DEFERRED_FLUSH_BYTES,
-    CacheContext,
-    KakeyaLayer,
-    StepInputs,
-    _report,
-    _storage_bytes,
-    finish_forward,
-)
+from .context import CacheContext, StepInputs
+from .flushing import finish_forward
+from .layer import KakeyaLayer
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
+from .options import KakeyaOptions, flag, non_negative_int
+from .report import compression_note, report
 from .rope import ModelRope, rotary_spec_from_config
 
 #: Newest tokens every layer keeps full precision (the hot window).
@@ -70,32 +67,6 @@ def _floating_dtype(name: str, value: object) -> torch.dtype | None:
     return value
 
 
-#: The arithmetic of the codec's key frame product on the CPU (``attention_precision``).
-ATTENTION_PRECISIONS = ("bfloat16", "float32", "int16")
-
-
-def _attention_precision(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"attention_precision must be a str, got {value!r}")
-    if value not in ATTENTION_PRECISIONS:
-        raise ValueError(
-            f"attention_precision must be one of {ATTENTION_PRECISIONS}, got {value!r}"
-        )
-    return value
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _non_negative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
 class KakeyaCache(Cache):
     """A KV cache that holds old tokens of full-attention layers as kakeyaturbo blocks.
 
@@ -116,8 +87,6 @@ class KakeyaCache(Cache):
             Needs the positions of each forward: build the cache with :meth:`from_model`.
             None (default): the recipe's choice where this model's RoPE can be inverted, and
             always True with a calibration.
-        decoded_cache_bytes: explicit budget for keeping decoded blocks between steps (speed for
-            memory; counted in :meth:`memory_report`). 0 (default) keeps none.
         hot_dtype: floating dtype in which the exact tokens (hot window, sinks) are held; None
             (default): the model's. ``torch.bfloat16`` on a float32 model halves their bytes
             (what a bfloat16 deployment holds) at bfloat16's rounding of those tokens; the
@@ -126,33 +95,9 @@ class KakeyaCache(Cache):
             scale per token and head, :mod:`~kakeyaturbo.hf.int8_rows`): about half the bytes
             of bfloat16, each entry within 0.4% of its row's largest; keys and sinks stay in
             ``hot_dtype``. False: values in ``hot_dtype`` too.
-        attention_precision: arithmetic of the frame product in the codec's attention over
-            coded keys on the CPU, the costliest part of a decode step. ``"int16"``
-            (default): the coordinates (less a centre per block) and the frame as 16-bit
-            integers with scales per block (11-13 bits of each), exact int32 sums, where the
-            CPU has AVX512-VNNI (twice the float32 rate) or AVX2 (the same bits; faster than
-            float32 on Zen 3, not on Zen 1), float32 elsewhere. ``"float32"``:
-            float32 throughout. ``"bfloat16"``: both rounded to bfloat16, float32 sums, where
-            the CPU has AVX512-BF16. On SmolLM2 at 4k neither narrow product moved the
-            teacher-forced KL measurably (6 passages: int16 +1.0% +- 0.8%, bfloat16 -1.0% +-
-            1.4%), and int16 moves the logits 5-15x less than bfloat16
-            (``docs/speed.md``, 25th session).
-        prepare_keys_ahead: in a decode step, make the next layers' coded keys (decoding,
-            frame product, RoPE: everything of their attention that needs no query) on the
-            codec's idle worker while the model runs this layer's MLP and the next layers'
-            projections and attention (default; ``coded_attention.LAYERS_AHEAD`` layers at a
-            time, 2). Only where a worker would be idle: torch on one thread (with more, the
-            codec runs on torch's threads and this does nothing). The same bits either way;
-            about 3 MB per 4k tokens of each such layer live meanwhile, freed by that layer's
-            attention.
-        flush_together_bytes: where the layers hold their blocks on the model's device (a
-            GPU), their flushes in a forward wait for its end and are coded together, in one
-            set of ops (``hf/layer.py``, ``flush_together``), until the exact tokens waiting
-            (with the forward's values) pass this many bytes (default 8 MiB). On a GPU each
-            small op is a launch the host queues, and a prompt's flush one layer at a time
-            is about 320 of them per layer (SmolLM2, ``docs/speed.md``, 36th session); coding
-            layers together keeps their spans and the coding's temporaries, several times
-            this, alive at once. 0: each layer flushes in its own update.
+        options: the speed knobs (:class:`~kakeyaturbo.hf.options.KakeyaOptions`: decoded-block
+            budget, attention arithmetic, keys made ahead, flushes coded together); None: the
+            defaults.
 
     Raises:
         NotImplementedError: unsupported model (layer types, RoPE type in pre-RoPE mode).
@@ -171,12 +116,9 @@ class KakeyaCache(Cache):
         sink_tokens: int | None = None,
         skip_layers: Iterable[int] | None = None,
         pre_rope: bool | None = None,
-        decoded_cache_bytes: int = 0,
         hot_dtype: torch.dtype | None = None,
         int8_hot_values: bool = True,
-        attention_precision: str = "int16",
-        prepare_keys_ahead: bool = True,
-        flush_together_bytes: int = DEFERRED_FLUSH_BYTES,
+        options: KakeyaOptions | None = None,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
@@ -186,17 +128,22 @@ class KakeyaCache(Cache):
         self.recipe = _resolve_recipe(
             config, recipe, self.calibration, k_params, v_params, sink_tokens, pre_rope
         )
-        self.residual_length = _non_negative_int("residual_length", residual_length)
+        self.residual_length = non_negative_int("residual_length", residual_length)
         self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
         self._rope = ModelRope(config)
+        if options is None:
+            options = KakeyaOptions()
+        elif not isinstance(options, KakeyaOptions):
+            raise TypeError(f"options must be a KakeyaOptions, got {type(options).__name__}")
+        self.options = options
         self._ctx = CacheContext(
-            budget=DecodedBudget(decoded_cache_bytes),
+            budget=DecodedBudget(options.decoded_cache_bytes),
             pipeline=Pipeline(self.recipe, self.calibration, self._rope),
             hot_dtype=_floating_dtype("hot_dtype", hot_dtype),
-            int8_hot_values=_flag("int8_hot_values", int8_hot_values),
-            attention_precision=_attention_precision(attention_precision),
-            prepare_keys_ahead=_flag("prepare_keys_ahead", prepare_keys_ahead),
-            flush_together_bytes=_non_negative_int("flush_together_bytes", flush_together_bytes),
+            int8_hot_values=flag("int8_hot_values", int8_hot_values),
+            attention_precision=options.attention_precision,
+            prepare_keys_ahead=options.prepare_keys_ahead,
+            flush_together_bytes=options.flush_together_bytes,
         )
         cfg = text_config(config)
         layers = [
@@ -220,29 +167,17 @@ class KakeyaCache(Cache):
         self.coded_attention = True
         super().__init__(layers=layers)
 
-    @property
-    def pre_rope(self) -> bool:
-        return self.recipe.pre_rope
-
-    @property
-    def sink_tokens(self) -> int:
-        return self.recipe.sink_tokens
-
-    @property
-    def int8_hot_values(self) -> bool:
-        return self._ctx.int8_hot_values
-
-    @property
-    def attention_precision(self) -> str:
-        return self._ctx.attention_precision
+    # What the recipe and the options chose (read-only).
+    pre_rope = property(lambda self: self.recipe.pre_rope)
+    sink_tokens = property(lambda self: self.recipe.sink_tokens)
+    int8_hot_values = property(lambda self: self._ctx.int8_hot_values)
+    attention_precision = property(lambda self: self._ctx.attention_precision)
 
     def _make_layer(self, spec: LayerSpec, cfg: PretrainedConfig):
         if spec.kind is LayerKind.COMPRESSED:
             # The pipeline's own table for this layer: the layer reports it as held.
             rope = self._rope(spec.index) if self.pre_rope else None
-            return KakeyaLayer(
-                spec.index, self.residual_length, self.sink_tokens, self._ctx, rope
-            )
+            return KakeyaLayer(spec.index, self.residual_length, self.sink_tokens, self._ctx, rope)
         if spec.kind is LayerKind.FULL_PRECISION:
             return DynamicLayer()
         if spec.kind in (LayerKind.SLIDING, LayerKind.CHUNKED):
@@ -255,8 +190,12 @@ class KakeyaCache(Cache):
     def from_model(
         cls, model: PreTrainedModel, *, coded_attention: bool | None = None, **kwargs: Any
     ) -> KakeyaCache:
-        """Build a cache for ``model`` (keyword arguments as for the constructor; none: the
-        default recipe) and hook its decoder (positions, padding).
+        """Build a cache for ``model`` and change the model: hook its decoder, switch its attention.
+
+        The cache takes the constructor's keyword arguments (none: the default recipe). The
+        model is changed in place: forward hooks on its decoder let the cache see each
+        forward's positions and padding (:meth:`detach` removes them), and, unless
+        ``coded_attention=False``, its attention implementation becomes ``"kakeya"``.
 
         ``coded_attention``: attend over the compressed blocks' codes instead of decoding them
         into dense keys and values every step (``hf/coded_attention.py``; same outputs to
@@ -367,6 +306,9 @@ class KakeyaCache(Cache):
             bf16_equivalent_bytes: the same tokens as bfloat16.
             ratio: dense_bytes / total_bytes (how many times fewer bytes than DynamicCache).
             ratio_vs_bf16: bf16_equivalent_bytes / total_bytes.
+            note (totals only): a plain-English line on what is compressed, and, while
+                nothing is yet, why (tokens held exact as sinks and hot window; after how many
+                tokens blocks start being coded).
         """
         layers = []
         for spec, layer in zip(self.layer_plan, self.layers):
@@ -383,6 +325,9 @@ class KakeyaCache(Cache):
         totals["ratio"] = totals["dense_bytes"] / total if total else 1.0
         totals["ratio_vs_bf16"] = totals["bf16_equivalent_bytes"] / total if total else 1.0
         totals["decoded_cache_budget_bytes"] = self._ctx.budget.limit
+        totals["note"] = compression_note(
+            layers, self.residual_length, self.sink_tokens, self.recipe.block_size
+        )
         totals["layers"] = layers
         return totals
 
@@ -416,9 +361,9 @@ def _plain_layer_report(layer, spec: LayerSpec) -> dict:
     """Report for a transformers layer kept as is: its key/value tensors are full precision and
     any other tensor it holds (the sliding-window scalar) is bookkeeping."""
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    full = _storage_bytes(keys) + _storage_bytes(values)
+    full = storage_bytes(keys) + storage_bytes(values)
     aux = sum(
-        _storage_bytes(t)
+        storage_bytes(t)
         for name, t in vars(layer).items()
         if isinstance(t, torch.Tensor) and name not in ("keys", "values")
     )
@@ -429,7 +374,7 @@ def _plain_layer_report(layer, spec: LayerSpec) -> dict:
         per_token = keys.shape[0] * keys.shape[1] * (keys.shape[-1] + values.shape[-1])
         dense, bf16 = per_token * held * keys.element_size(), per_token * held * 2
     tokens = layer.get_seq_length() if hasattr(layer, "get_seq_length") else held
-    return _report(spec.kind.value, tokens, 0, 0, full, aux, 0, bf16, dense)
+    return report(spec.kind.value, tokens, 0, 0, full, aux, 0, bf16, dense)
 
 
 def _load_calibration(calibration: Any, model_or_config: Any):
@@ -444,7 +389,8 @@ def _load_calibration(calibration: Any, model_or_config: Any):
     if isinstance(calibration, (str, os.PathLike)):
         return Calibration.load(calibration, model_or_config)
     raise TypeError(
-        f"calibration must be a bundle folder or a Calibration, got {type(calibration).__name__}")
+        f"calibration must be a bundle folder or a Calibration, got {type(calibration).__name__}"
+    )
 
 
 def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens, pre_rope):
@@ -467,7 +413,7 @@ def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens
     elif not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
     if sink_tokens is not None:
-        changes["sink_tokens"] = _non_negative_int("sink_tokens", sink_tokens)
+        changes["sink_tokens"] = non_negative_int("sink_tokens", sink_tokens)
     if pre_rope is not None and not isinstance(pre_rope, bool):
         raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
     if calibration is not None:

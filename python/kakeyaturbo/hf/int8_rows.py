@@ -7,7 +7,7 @@ Each entry is off by at most half a step (0.4% of the row's largest entry; the b
 can clip that largest entry by as much again). Decoding gives float32, where ``code * scale``
 is exact.
 
-Why values and not keys (``benches/probe_int8_exact_tokens.py``): on SmolLM2, holding every
+Why values and not keys (``docs/performance.md``): on SmolLM2, holding every
 cached value so moves the next-token distribution by a KL of 4e-5, holding every key so by
 4.5e-4 (a few channels carry most of a key's magnitude, so the per-row step is coarse for the
 rest), against 1.8e-3 for the default recipe's codes.
@@ -17,7 +17,7 @@ model's overflow stays visible as it would in an exact copy, and the codec refus
 the row is flushed into a block.
 
 On the CPU the codec encodes (``_core.int8_rows_encode``, one call where torch takes a dozen
-small ops: 8 ms of a 4k SmolLM2 decode step) and its attention reads the rows as they are
+small ops) and its attention reads the rows as they are
 held; the torch code here, which gives the same bits, serves other devices (on a GPU, one Triton
 kernel does, ``fused_int8_rows.py``).
 """

@@ -7,18 +7,20 @@ Layout of a layer holding ``L`` tokens (per batch row, per kv-head)::
                                             dtype, values as int8 rows (or in the hot dtype)
 
 New tokens land in the hot window (``hot_window.py``: token-major stores with a little room, so
-a decode step appends in place). In a forward the cache's model hook sees, a few new tokens per
-row (a decode step's) wait for its end and go into every layer's window together
-(:func:`finish_forward`), in one copy per kind: on a GPU each layer's append was four small
-launches of its own. Whenever the hot window holds ``block_size`` tokens more than
-``residual_length``, its oldest whole blocks are encoded in one batched codec call (one stream per
-(block, batch row, kv-head)) and their full-precision copy is dropped. A long prompt therefore
-compresses in one pass, from the values the prompt brought; tokens that waited in the window
-(blocks flushed while generating) are coded from what it held. Blocks are coded by the model's
-:class:`~kakeyaturbo.pipeline.Pipeline` (the same round trip the evaluation measures). The
-first ``sink_tokens`` real tokens of each row (attention sinks, found from the prefill's
-attention mask, so left padding is skipped) are held exact beside the streams; the pipeline
-codes their block's mean in their place and they are written over their decoded slots.
+a decode step appends in place). The layer composes one class per job, each in its own module,
+all reading the state ``_clear`` sets up here:
+
+* :class:`~.sinks.SinkSlots` (``sinks.py``): the first ``sink_tokens`` real tokens of each row,
+  held exact beside the codes;
+* :class:`~.flushing.Flushing` (``flushing.py``): coding the window's oldest whole blocks, alone
+  or with the other layers at a forward's end;
+* :class:`~.device_held.DeviceHeld` (``device_held.py``): blocks held on the model's device only;
+* :class:`~.decoded.DecodedBlocks` (``decoded.py``): decoding blocks for callers that want dense
+  keys and values, under the decoded budget;
+* :class:`~.report.LayerMemory` (``report.py``): the bytes held.
+
+Blocks are coded by the model's :class:`~kakeyaturbo.pipeline.Pipeline` (the same round trip the
+evaluation measures).
 
 Attention over the codes (the default with ``KakeyaCache.from_model`` on an sdpa model): the model
 attends through the "kakeya" attention, and ``update`` returns only the new tokens and hands the
@@ -26,19 +28,11 @@ blocks and the other exact tokens (sinks held in blocks, hot window) to that att
 (``coded_attention.py``), which reads the codes without building dense keys or values. Where it
 reads them on the model's device (a GPU), the layer holds its blocks there only, from the first
 flush on (``_on_device``: coded there by the torch encoder, ``device_encode.py``, the host
-keeps none), and decodes them there when a caller wants them dense. Such layers' flushes in a
-forward wait for its end and are coded together (:func:`flush_together`): on a GPU a flush is
-hundreds of small ops per layer otherwise, and sets a prompt's prefill time.
+keeps none), and decodes them there when a caller wants them dense.
 
 Decoding (every other caller, or a decoded budget): every step returns the whole
-``[B, H, L, D]`` keys and values (transformers' attention needs them). Blocks are decoded on
-demand; a decoded block is kept only while it fits the
-cache's explicit ``decoded_cache_bytes`` budget (default 0: nothing decoded is kept, every step
-decodes every block in one batched call). When the budget can hold the whole layer, the layer
-keeps one contiguous decoded buffer instead: each block is decoded once (at the step after it
-was compressed), new tokens are written in place, and ``update`` returns views of it, so a step
-costs no decode and no O(L) copy. Otherwise single decoded blocks are kept while they fit.
-Tokens that arrive in a forward are attended at full precision in that forward, before they are
+``[B, H, L, D]`` keys and values (transformers' attention needs them; ``decoded.py``). Tokens
+that arrive in a forward are attended at full precision in that forward, before they are
 compressed; every budget setting returns the same values, except that the contiguous buffer
 holds a forward's own new tokens as the hot window does (hot dtype, int8 values) already in
 that forward.
@@ -47,123 +41,26 @@ that forward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..gpu import device_decode
-from ..pipeline import CodedBlock, Pipeline
-from . import heap, int8_rows
+from . import int8_rows
 from ._compat import CacheLayerMixin
-from .budget import DecodedBudget
-from .coded_attention import CodedView, LayerBlocks, reads_on_device
+from .blocks import Block, storage_bytes
+from .coded_attention import CodedView, LayerBlocks
+from .context import APPEND_TOGETHER_TOKENS, CacheContext
+from .decoded import DecodedBlocks
+from .device_held import DeviceHeld
+from .flushing import Flushing
 from .hot_window import HotWindow, append_together, keep_together
+from .report import LayerMemory
 from .rope import RotarySpec
-
-#: ``KakeyaCache``'s default ``flush_together_bytes``: exact tokens (and their forwards'
-#: values) that flushes waiting for a forward's end may keep before they are coded together.
-DEFERRED_FLUSH_BYTES = 8 << 20
-#: A hooked forward of at most this many tokens per row (a decode step, a draft's check)
-#: appends them to the hot windows at its end, every layer's together (:func:`finish_forward`).
-APPEND_TOGETHER_TOKENS = 16
+from .sinks import SinkSlots
 
 
-@dataclass
-class StepInputs:
-    """What the model hook saw for the forward in flight (position ids, 2-D attention mask),
-    and what this forward's attention over the codes shares between layers."""
-
-    position_ids: torch.Tensor | None = None
-    attention_mask: torch.Tensor | None = None
-    # The model attends through kakeyaturbo's "kakeya" attention: a layer with blocks hands
-    # the codes to it (`coded`, by layer index) instead of decoding them into dense K/V.
-    coded_attention: bool = False
-    coded: dict = field(default_factory=dict)
-    # What every layer's attention over the codes would compute alike (RoPE angles of the
-    # coded positions, the mask's bias): computed once per forward.
-    shared: list = field(default_factory=list)
-    # What every layer of a forward computes alike from equal arguments (the arriving tokens'
-    # RoPE positions, the sinks' places in a span): per kind, (arguments, value) as the last
-    # layer to ask made it (`once`).
-    alike: dict = field(default_factory=dict)
-    # Keys made ahead for a layer's attention (CodedView.prepare_next), by layer index:
-    # (the LayerBlocks they were made from, the codec's PreparedKeys).
-    prepared: dict = field(default_factory=dict)
-    # The cache's model hook made this forward's inputs, and calls finish_forward at its
-    # end: `appends` (layer, keys, values, positions: new tokens waiting to be appended to
-    # its hot window), then `flushes` (layers, with their forward's values, waiting to flush).
-    hooked: bool = False
-    appends: list = field(default_factory=list)
-    flushes: list = field(default_factory=list)
-
-    def once(self, kind: str, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, made once for the layers asking ``kind`` with an equal ``key`` in turn
-        (the value is shared: never written to)."""
-        hit = self.alike.get(kind)
-        if hit is None or hit[0] != key:
-            hit = self.alike[kind] = (key, make())
-        return hit[1]
-
-
-@dataclass
-class CacheContext:
-    """State shared by all compressed layers of one cache."""
-
-    budget: DecodedBudget
-    pipeline: Pipeline  # frames fitted on a layer's first flushed tokens live here (aux bytes)
-    step: StepInputs = field(default_factory=StepInputs)
-    hot_dtype: torch.dtype | None = None  # exact tokens' storage dtype (None: the model's)
-    # The hot window's values held as int8 rows (int8_rows.py) instead of in the hot dtype.
-    int8_hot_values: bool = False
-    # The arithmetic of the codec's key frame product on the CPU (cache.ATTENTION_PRECISIONS).
-    attention_precision: str = "int16"
-    # Make the next layer's keys on the codec's idle worker during a decode step.
-    prepare_keys_ahead: bool = True
-    # Device-held layers' flushes wait for the forward's end up to this many bytes waiting.
-    flush_together_bytes: int = DEFERRED_FLUSH_BYTES
-    # The compressed layer the model runs after each (weak references), by layer index.
-    following: dict = field(default_factory=dict)
-
-
-@dataclass(eq=False)  # identity: blocks are compared by `is`, never by content
-class _Block:
-    """One compressed block: ``block_size`` tokens of every (batch row, kv-head) stream."""
-
-    # The coded streams held on the host, or None where the layer holds its blocks on the
-    # device attention reads them on (KakeyaLayer._on_device), and only there.
-    k: CodedBlock | None
-    v: CodedBlock | None
-    tokens: int
-    # RoPE positions (pre-RoPE mode only, else None), int32: [B, 1] each row's first position
-    # when every row's positions run on consecutively (the usual case: 4 bytes per row, not
-    # per token), else [B, block_size].
-    pos: Any
-    decoded: Any = None  # (K, V) [B, H, bs, D] held under the decoded budget, or None
-    # `pos` as bytes (b"" without): layers of a forward compare their blocks' positions by
-    # these, without a tensor op per layer (CodedView._rotation). Set with `pos` by `place`.
-    pos_key: bytes = b""
-
-    def place(self, pos: torch.Tensor) -> None:
-        """Holds (a copy of) ``pos`` as the block's stored positions."""
-        self.pos = pos.clone()
-        self.pos_key = self.pos.cpu().numpy().tobytes()
-
-    @property
-    def positions(self) -> torch.Tensor | None:
-        """``[B, block_size]`` int32 RoPE positions, or None."""
-        if self.pos is None or self.pos.shape[-1] == self.tokens:
-            return self.pos
-        run = torch.arange(self.tokens, dtype=self.pos.dtype, device=self.pos.device)
-        return self.pos + run
-
-
-def _storage_bytes(t: torch.Tensor | None) -> int:
-    # Storage, not numel: a view would keep its whole base alive.
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
-class KakeyaLayer(CacheLayerMixin):
+class KakeyaLayer(SinkSlots, Flushing, DeviceHeld, DecodedBlocks, LayerMemory, CacheLayerMixin):
     """A full-attention cache layer whose old tokens are held as codec blocks."""
 
     is_sliding = False
@@ -203,7 +100,7 @@ class KakeyaLayer(CacheLayerMixin):
         self.is_initialized = False
         # The hot window (hot_window.py), read through _hot_k, _hot_v and _hot_pos.
         self._hot: HotWindow | None = None
-        self._blocks: list[_Block] = []
+        self._blocks: list[Block] = []
         # Where attention reads the blocks off the CPU kernels (a model on a GPU), their only
         # copy, on that device: {"k": DeviceBlocks, "v": DeviceBlocks}; None where they are
         # held on the host (the CPU kernels read them there). Set at the first flush.
@@ -223,7 +120,7 @@ class KakeyaLayer(CacheLayerMixin):
         # Contiguous decoded buffer ([B, H, capacity, D]), held under the decoded budget.
         self._buf_k: Any = None
         self._buf_v: Any = None
-        self._buf_pending: list[_Block] = []  # blocks compressed but not yet decoded into it
+        self._buf_pending: list[Block] = []  # blocks compressed but not yet decoded into it
         self._buf_refused = False  # the budget could not hold it; retried after crop/reset
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -455,60 +352,6 @@ class KakeyaLayer(CacheLayerMixin):
         if self.is_initialized:
             self._select_rows(_row_index(indices, "indices").cpu())
 
-    # ---- accounting ------------------------------------------------------------------------------
-
-    def memory_report(self) -> dict:
-        """Bytes this layer holds, measured from what it holds."""
-        seen, compressed = set(), 0
-        if self._on_device is not None:  # the only copy, as the device holds it
-            compressed = sum(held.nbytes for held in self._on_device.values())
-        for blk in self._blocks:
-            for coded in (blk.k, blk.v) if blk.k is not None else ():
-                compressed += coded.norm_bytes
-                for enc in coded.encs:
-                    if id(enc) not in seen:  # rows repeated by batch_repeat_interleave share
-                        seen.add(id(enc))
-                        compressed += int(enc.nbytes)
-        full = sum(
-            _storage_bytes(t) for t in (self._hot_k, self._hot_v, self._sink_k, self._sink_v)
-        )
-        aux = _storage_bytes(self._hot_pos) + _storage_bytes(self._sink_idx)
-        if self._sink_slots is not self._sink_idx:  # the host's copy (a model off the CPU)
-            aux += _storage_bytes(self._sink_slots)
-        # A flush's blocks hold views of one tensor of their positions: each storage once.
-        held_pos = {
-            b.pos.untyped_storage().data_ptr(): b.pos for b in self._blocks if b.pos is not None
-        }
-        aux += sum(_storage_bytes(p) for p in held_pos.values())
-        device_copy = 0
-        if self._held is not None:  # which sinks sit in blocks, kept for attention
-            aux += _storage_bytes(self._held.sinks)
-            device_copy = sum(held.nbytes for held in self._held.on_device.values())
-        # The constant RoPE table counts while the layer holds tokens (reset frees the rest).
-        if self._rope is not None and self.is_initialized:
-            aux += _storage_bytes(self._rope.inv_freq)
-        aux += self._ctx.pipeline.frame_bytes(self.layer_idx)
-        decoded = sum(_storage_bytes(t) for b in self._blocks if b.decoded for t in b.decoded)
-        decoded += _storage_bytes(self._buf_k) + _storage_bytes(self._buf_v)
-        if self.is_initialized:
-            per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._v_dim)
-            dense = per_token * self._len * self.dtype.itemsize
-            bf16 = per_token * self._len * 2
-        else:
-            dense = bf16 = 0
-        return _report(
-            "compressed",
-            self._len,
-            self.compressed_length,
-            compressed,
-            full,
-            aux,
-            decoded,
-            bf16,
-            dense,
-            device_copy,
-        )
-
     # ---- internals -----------------------------------------------------------------------
 
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -525,108 +368,6 @@ class KakeyaLayer(CacheLayerMixin):
                 f"not match the cache's {want}; use batch_select_indices / "
                 "batch_repeat_interleave to change the batch"
             )
-
-    def _init_sinks(self, q: int) -> None:
-        """Pick each row's sink slots: its first `sink_tokens` real (unpadded) tokens when the
-        prefill's 2-D attention mask is known, else the first slots."""
-        s, b, start = self.sink_tokens, self._rows, self._len
-        mask = self._ctx.step.attention_mask
-        # Every layer of a forward picks alike: once (the memo holds the mask, so its id stays).
-        key = (s, b, start, q, id(mask))
-        idx, end, _ = self._ctx.step.once(
-            "sink slots", key, lambda: _sink_slots(s, b, start, q, mask)
-        )
-        self._set_sink_slots(idx.clone())  # the layer's own (its bytes counted per layer)
-        self._sink_end = end
-        self._held = None
-        self._sink_k = self._sink_v = None  # made by the first capture (_capture_sinks)
-
-    def _set_sink_slots(self, idx: torch.Tensor) -> None:
-        """``idx`` (host, ``[B, S]`` long) as the sinks' slots, on the host and the device."""
-        self._sink_slots = idx
-        self._sink_idx = idx.to(self.device)
-
-    def _capture_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        if start >= self._sink_end:  # every sink slot is written (a decode step's case)
-            return
-        lo, hi = start, start + k.shape[-2]
-        run = self._sink_run(lo, hi)
-        if self._sink_k is None:
-            if run is not None and run[2] == self.sink_tokens:
-                # Every sink arrives now (a prompt's first forward): the sinks are their copies.
-                at, n, dtype = run[1], run[2], self._hot_k.dtype
-                same = {"memory_format": torch.contiguous_format, "copy": True}
-                self._sink_k = k[:, :, at : at + n].transpose(1, 2).to(dtype, **same)
-                self._sink_v = v[:, :, at : at + n].transpose(1, 2).to(dtype, **same)
-                return
-            b, s, h = self._rows, self.sink_tokens, self._heads
-            self._sink_k = self._hot_k.new_zeros((b, s, h, self._hot_k.shape[-1]))
-            self._sink_v = self._hot_k.new_zeros((b, s, h, self._v_dim))
-        if run is not None:  # the usual case: a copy each, converting as it goes
-            first, at, n = run
-            self._sink_k[:, first : first + n].copy_(k[:, :, at : at + n].transpose(1, 2))
-            self._sink_v[:, first : first + n].copy_(v[:, :, at : at + n].transpose(1, 2))
-            return
-        places = self._sink_places(lo, hi, start, self.device)
-        if places is not None:
-            rows, slots, t = places
-            self._sink_k[rows, slots] = k[rows, :, t].to(self._sink_k.dtype)
-            self._sink_v[rows, slots] = v[rows, :, t].to(self._sink_v.dtype)
-
-    def _sink_run(self, lo: int, hi: int) -> tuple | None:
-        """(first sink, its slot - ``lo``, how many) where every row's sinks at cache slots
-        [lo, hi) are the same consecutive sinks at the same consecutive slots (a prompt
-        without padding, or padded alike), else None. Asked alike by every layer of a forward:
-        made once."""
-        at = self._sink_slots
-
-        def make() -> tuple | None:
-            sel = (at >= lo) & (at < hi)
-            picked = sel[0].nonzero().flatten()
-            if not picked.numel() or not bool((sel == sel[0]).all()):
-                return None
-            first, n = int(picked[0]), picked.numel()
-            slots = at[:, first : first + n]
-            if not bool(sel[0, first : first + n].all()):
-                return None  # the picked sinks are not consecutive
-            if not bool((slots == slots[0, 0] + torch.arange(n)).all()):
-                return None
-            return first, int(slots[0, 0]) - lo, n
-
-        return self._ctx.step.once("sink run", (lo, hi, *self._slots_key()), make)
-
-    def _overwrite_sinks(
-        self, k: torch.Tensor, v: torch.Tensor, lo: int, hi: int, base: int
-    ) -> None:
-        """Write the exact sinks at cache slots in [lo, hi) into ``k``/``v`` (in place), whose
-        index 0 is cache slot ``base``."""
-        if self._sink_slots is None or hi <= lo:
-            return
-        places = self._sink_places(lo, hi, base, self.device)
-        if places is not None:
-            rows, slots, t = places
-            k[rows, :, t] = self._sink_k[rows, slots].to(k.dtype)
-            v[rows, :, t] = self._sink_v[rows, slots].to(v.dtype)
-
-    def _sink_places(self, lo: int, hi: int, base: int, device: torch.device) -> tuple | None:
-        """The sinks at cache slots [lo, hi) as (rows, which sinks, slots - ``base``) on
-        ``device``, or None. Asked alike by every layer of a forward (equal slots): made once
-        per device, from the host's copy of the slots."""
-        at = self._sink_slots
-
-        def make() -> tuple | None:
-            sel = (at >= lo) & (at < hi)
-            if not bool(sel.any()):
-                return None
-            rows, slots = sel.nonzero(as_tuple=True)
-            return tuple(i.to(device) for i in (rows, slots, at[rows, slots] - base))
-
-        key = (lo, hi, base, *self._slots_key())
-        return self._ctx.step.once(f"sink places on {device}", key, make)
-
-    def _slots_key(self) -> tuple:
-        """The sinks' slots as a memo's key (their values: another batch's slots differ)."""
-        return tuple(self._sink_slots.shape), self._sink_slots.numpy().tobytes()
 
     def _step_positions(self, q: int, start: int) -> torch.Tensor:
         """RoPE positions of the tokens arriving now: the forward's position_ids when the model
@@ -650,258 +391,6 @@ class KakeyaLayer(CacheLayerMixin):
             .expand(self._rows, q)
             .clone()
         )
-
-    def _sinks_in_blocks(self) -> torch.Tensor | None:
-        """[B, S] bool: which sinks sit in a compressed block (their coded slot holds the block
-        mean; attention over the codes reads them exact instead), or None."""
-        if self._sink_slots is None:
-            return None
-        inside = self._sink_slots < self.compressed_length
-        return inside.to(self.device) if bool(inside.any()) else None
-
-    def _sink_mask(self, start: int, t: int) -> torch.Tensor | None:
-        """[B, t] bool: which of cache slots start..start+t are sinks (held exact)."""
-        if self._sink_slots is None:
-            return None
-
-        def make() -> torch.Tensor | None:
-            places = self._sink_places(start, start + t, start, torch.device("cpu"))
-            if places is None:
-                return None
-            rows, _, slots = places
-            mask = torch.zeros((self._rows, t), dtype=torch.bool)
-            mask[rows, slots] = True
-            return mask
-
-        key = (start, t, self._rows, *self._slots_key())
-        return self._ctx.step.once("sink mask", key, make)
-
-    def _flush(self, new_v: torch.Tensor) -> None:
-        """Encode every whole block of hot tokens older than the residual window (``new_v``: the
-        values of the forward that just appended its tokens). A layer holding its blocks on its
-        device, in a forward the cache's model hook sees, waits for the forward's end and is
-        flushed there with the other layers (:func:`flush_together`), up to the cache's
-        ``flush_together_bytes`` of exact tokens waiting."""
-        n = self._whole_blocks()
-        if n == 0:
-            return
-        if not (self._on_device is not None or (not self._blocks and self._holds_on_device())):
-            pipe, li = self._ctx.pipeline, self.layer_idx
-            sinks, spans = self._flush_spans(n, new_v)
-            enc_k, enc_v = (pipe.encode(x, li, s, p, sinks) for s, (x, p) in spans.items())
-            _commit_flushes([(self, n, enc_k, enc_v)])
-            return
-        step = self._ctx.step
-        if not step.hooked:
-            flush_together([(self, new_v)])
-            return
-        step.flushes.append((self, new_v))
-        waiting = sum(layer._flush_bytes(v) for layer, v in step.flushes)
-        if waiting > self._ctx.flush_together_bytes:
-            flushes, step.flushes = step.flushes, []
-            flush_together(flushes)
-
-    def _whole_blocks(self) -> int:
-        """Whole blocks of hot tokens older than the residual window (what a flush codes)."""
-        return max(self._hot_k.shape[-2] - self.residual_length, 0) // self.block_size
-
-    def _flush_bytes(self, new_v: torch.Tensor) -> int:
-        """Bytes a waiting flush keeps: the hot window and the forward's values."""
-        return sum(_storage_bytes(t) for t in (self._hot_k, self._hot_v, new_v))
-
-    def _flush_spans(self, n: int, new_v: torch.Tensor) -> tuple:
-        """(sink mask, ``{"k": (keys, positions), "v": (values, None)}``) of a flush of ``n``
-        blocks: the oldest tokens, as they are coded."""
-        t = n * self.block_size
-        pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        sinks = self._sink_mask(self.compressed_length, t)
-        # Whole blocks of bs tokens only: the recipe's newest-token bits never apply here (the
-        # newest residual_length tokens are held exact instead).
-        return sinks, {
-            "k": (self._hot_k[:, :, :t], pos),
-            "v": (self._flushed_values(t, new_v), None),
-        }
-
-    def _add_blocks(self, n: int, enc_k: list, enc_v: list, host_pos: Any) -> None:
-        """Hold ``n`` flushed blocks, the oldest hot tokens (their host streams, or None each
-        where the layer holds them on its device, added there already); ``host_pos``: their
-        positions on the host (None without positions). :func:`_commit_flushes` then drops
-        their tokens from the hot window."""
-        bs = self.block_size
-        t = n * bs
-        self._held = None
-        pos = self._hot_pos[:, :t] if self._hot_pos is not None else None
-        placed = [(None, b"")] * n
-        if pos is not None:
-            placed = _block_positions(pos, host_pos, n, bs, self._ctx.step)
-        for j, (at, key) in enumerate(placed):
-            blk = _Block(k=enc_k[j], v=enc_v[j], tokens=bs, pos=at, pos_key=key)
-            self._blocks.append(blk)
-            if self._buf_k is not None:
-                # Decoded into the buffer at the next update: the forward in flight still
-                # attends to the exact tokens, as it does without a buffer.
-                self._buf_pending.append(blk)
-
-    def _flushed_bytes(self, n: int) -> int:
-        """Bytes of exact tokens ``n`` flushed blocks held in the hot window."""
-        k, v = self._hot_k, self._hot_v
-        per_row = k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size()
-        return n * self.block_size * self._rows * self._heads * per_row
-
-    def _holds_on_device(self) -> bool:
-        """Whether the layer's blocks go to its device only: where attention over the codes
-        decodes them there (off the CPU kernels) and the device's decoder reads them (the
-        recipes' water-filled blocks, not every ``CodecParams``). Decided at a first flush."""
-        recipe, li = self._ctx.pipeline.recipe, self.layer_idx
-        readable = all(device_decode.reads(recipe.params(li, s)) for s in ("k", "v"))
-        return readable and reads_on_device(self.device)
-
-    def _hold_on_device(self, added: dict[str, device_decode.DeviceBlocks]) -> None:
-        """Add a flush's blocks, coded on the layer's device (attention reads them there, off
-        the CPU kernels), to those it holds there: joined to the held ones; the host never
-        holds them, so the codes are held once."""
-        if self._on_device is not None:
-            held = self._on_device
-            added = {s: device_decode.DeviceBlocks.joined([held[s], added[s]]) for s in added}
-        self._on_device = added
-
-    def _flushed_values(self, t: int, new_v: torch.Tensor) -> torch.Tensor:
-        """Values of the oldest ``t`` hot tokens, as they are coded. A forward's own tokens are
-        coded from the values it brought (in the hot dtype), not from their int8 rows, so a
-        prompt's blocks are the ones the evaluation measures (it codes a prefix's values exact);
-        tokens that waited in the window (the blocks flushed while generating) exist only as
-        their int8 rows and are coded from them."""
-        first_new = self._hot_v.shape[-2] - new_v.shape[-2]
-        if not self._ctx.int8_hot_values or first_new >= t:
-            return self._hot_values(0, t)
-        exact = new_v[:, :, : t - first_new].to(self._hot_float)
-        if first_new == 0:
-            return exact
-        return torch.cat([self._hot_values(0, first_new), exact.float()], dim=-2)
-
-    def _decode_blocks(self, blocks: list[_Block]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode ``blocks`` (one batched call per K/V) -> [B, H, n*bs, D] in the model dtype;
-        sink slots hold their block's mean (callers write the exact sinks over them)."""
-        pipe, li, b = self._ctx.pipeline, self.layer_idx, self._rows
-        pos = None
-        if self._rope is not None:
-            pos = torch.cat([blk.positions for blk in blocks], dim=-1)
-        if self._on_device is None:
-            ks, vs = [blk.k for blk in blocks], [blk.v for blk in blocks]
-        elif len(blocks) == len(self._blocks):  # all of them, in order (blocks are unique)
-            ks, vs = self._on_device["k"], self._on_device["v"]
-        else:
-            at = {id(blk): i for i, blk in enumerate(self._blocks)}
-            picked = [at[id(blk)] for blk in blocks]
-            ks, vs = (self._on_device[s].take(picked) for s in ("k", "v"))
-        dk = pipe.decode(ks, li, "k", b, pos)
-        dv = pipe.decode(vs, li, "v", b)
-        return (
-            dk.to(device=self.device, dtype=self.dtype),
-            dv.to(device=self.device, dtype=self.dtype),
-        )
-
-    def _materialize(self, keep: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of all blocks, in order, as lists of pieces to concatenate; with
-        ``keep``, freshly decoded blocks are kept while the budget allows."""
-        if not self._blocks:
-            return [], []
-        need = [blk for blk in self._blocks if blk.decoded is None]
-        if not need:
-            return [blk.decoded[0] for blk in self._blocks], [
-                blk.decoded[1] for blk in self._blocks
-            ]
-        dk, dv = self._decode_blocks(need)
-        bs = self.block_size
-        fresh = {}
-        for i, blk in enumerate(need):
-            pk, pv = dk[:, :, i * bs : (i + 1) * bs], dv[:, :, i * bs : (i + 1) * bs]
-            fresh[id(blk)] = (pk, pv)
-            nbytes = (pk.numel() + pv.numel()) * pk.element_size()
-            if keep and self._ctx.budget.limit and self._ctx.budget.try_reserve(nbytes):
-                blk.decoded = (pk.clone(), pv.clone())
-        if len(need) == len(self._blocks):
-            return [dk], [dv]  # common no-budget case: already one tensor in block order
-        pieces = [
-            blk.decoded if blk.decoded is not None else fresh[id(blk)] for blk in self._blocks
-        ]
-        return [p[0] for p in pieces], [p[1] for p in pieces]
-
-    def _buffer_ready(self, need: int) -> bool:
-        """Make the contiguous decoded buffer hold ``need`` tokens and be up to date; False
-        (and no buffer) when the budget cannot hold it."""
-        per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._v_dim)
-        per_token *= self.dtype.itemsize
-        budget = self._ctx.budget
-        if self._buf_k is None:
-            if self._buf_refused:
-                return False
-            cap = need + self._buf_headroom
-            if not budget.try_reserve(cap * per_token):
-                self._buf_refused = True
-                return False
-            self._release_decoded()  # single kept blocks are superseded by the buffer
-            b, h = self._rows, self._heads
-            buf_k = self._hot_k.new_empty((b, h, cap, self._hot_k.shape[-1]), dtype=self.dtype)
-            buf_v = self._hot_k.new_empty((b, h, cap, self._v_dim), dtype=self.dtype)
-            clen = self.compressed_length
-            if self._blocks:
-                pieces_k, pieces_v = self._materialize(keep=False)
-                at = 0
-                for pk, pv in zip(pieces_k, pieces_v):
-                    buf_k[:, :, at : at + pk.shape[-2]] = pk
-                    buf_v[:, :, at : at + pv.shape[-2]] = pv
-                    at += pk.shape[-2]
-                self._overwrite_sinks(buf_k, buf_v, 0, clen, 0)
-            buf_k[:, :, clen : self._len] = self._hot_k
-            buf_v[:, :, clen : self._len] = self._hot_values()
-            self._buf_k, self._buf_v, self._buf_pending = buf_k, buf_v, []
-            return True
-        cap = self._buf_k.shape[-2]
-        if cap < need:
-            # Grow by a fixed headroom, not geometrically: headroom is budget spent on nothing,
-            # and the O(L) copy happens once per `_buf_headroom` tokens.
-            new_cap = need + self._buf_headroom
-            if not budget.try_reserve((new_cap - cap) * per_token):
-                self._drop_buffer()
-                self._buf_refused = True
-                return False
-            for name in ("_buf_k", "_buf_v"):
-                old = getattr(self, name)
-                new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))
-                new[:, :, : self._len] = old[:, :, : self._len]
-                setattr(self, name, new)
-        if self._buf_pending:
-            first = next(i for i, b in enumerate(self._blocks) if b is self._buf_pending[0])
-            lo = first * self.block_size
-            hi = lo + len(self._buf_pending) * self.block_size
-            dk, dv = self._decode_blocks(self._buf_pending)
-            self._buf_k[:, :, lo:hi] = dk
-            self._buf_v[:, :, lo:hi] = dv
-            self._overwrite_sinks(self._buf_k, self._buf_v, lo, hi, 0)
-            self._buf_pending = []
-        return True
-
-    @property
-    def _buf_headroom(self) -> int:
-        # Spare tokens per (re)allocation: enough that decoding reallocates once per this
-        # many steps, small enough that little of the budget holds nothing.
-        return min(self.block_size, 128)
-
-    def _drop_buffer(self) -> None:
-        if self._buf_k is not None:
-            self._ctx.budget.release(_storage_bytes(self._buf_k) + _storage_bytes(self._buf_v))
-        self._buf_k = self._buf_v = None
-        self._buf_pending = []
-
-    def _drop_decoded(self, blk: _Block) -> None:
-        if blk.decoded is not None:
-            self._ctx.budget.release(sum(_storage_bytes(t) for t in blk.decoded))
-            blk.decoded = None
-
-    def _release_decoded(self) -> None:
-        for blk in self._blocks:
-            self._drop_decoded(blk)
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         """Rebuild every per-row structure for batch rows ``rows`` (reorder, select, repeat)."""
@@ -935,124 +424,9 @@ class KakeyaLayer(CacheLayerMixin):
                 old = blk.decoded
                 self._drop_decoded(blk)
                 new = tuple(t.index_select(0, rows_dev) for t in old)
-                if self._ctx.budget.try_reserve(sum(_storage_bytes(t) for t in new)):
+                if self._ctx.budget.try_reserve(sum(storage_bytes(t) for t in new)):
                     blk.decoded = new
         self._rows = len(order)
-
-
-def _sink_slots(s: int, b: int, start: int, q: int, mask: torch.Tensor | None) -> tuple:
-    """(host ``[b, s]`` cache slots of each row's sinks, past the last of them, ``mask``) for a
-    forward of ``q`` tokens from slot ``start``: each row's first ``s`` real (unpadded) tokens
-    where its 2-D attention mask is known, else the first slots."""
-    idx = torch.arange(start, start + s).expand(b, s).clone()
-    if mask is not None and mask.dim() == 2 and mask.shape == (b, start + q):
-        new = mask[:, start:].bool().cpu()
-        for r in range(b):
-            real = new[r].nonzero().flatten()[:s]
-            pad_after = torch.arange(q, q + s - real.numel())  # sinks still to come
-            idx[r] = start + torch.cat([real, pad_after])
-    return idx, int(idx.max()) + 1, mask
-
-
-def _block_positions(pos: torch.Tensor, host: torch.Tensor, n: int, bs: int, step) -> list:
-    """Each of ``n`` flushed blocks' stored positions (``_Block.pos``) and their bytes, from the
-    flush's ``pos`` ``[B, n * bs]`` (``host``: the same on the host): where every block's run
-    on consecutively (the usual case), each row's first position of each block, all blocks' in
-    one tensor (one op on the device) that the blocks hold views of; else each block's own
-    copy. The layers of a forward flush equal positions: what the host reads of them is made
-    once (``step``, the forward's :class:`StepInputs`)."""
-    key = (n, bs, tuple(host.shape), host.numpy().tobytes())
-    runs, keys = step.once("block positions", key, lambda: _position_keys(host, n, bs))
-    if all(runs):
-        firsts = pos[:, ::bs].clone()
-        return [(firsts[:, j : j + 1], keys[j]) for j in range(n)]
-    return [(pos[:, _stored(j, bs, run)].clone(), keys[j]) for j, run in enumerate(runs)]
-
-
-def _stored(j: int, bs: int, run: bool) -> slice:
-    """Block ``j``'s stored positions: its first where they run on consecutively, else all."""
-    return slice(j * bs, j * bs + 1) if run else slice(j * bs, (j + 1) * bs)
-
-
-def _position_keys(host: torch.Tensor, n: int, bs: int) -> tuple[list[bool], list[bytes]]:
-    """Whether each block's positions (``host`` ``[B, n * bs]``) run on consecutively, and the
-    bytes of what each block stores of them."""
-    b = host.shape[0]
-    starts = host[:, ::bs]
-    steps = torch.arange(bs, dtype=host.dtype)
-    runs = (host.view(b, n, bs) == starts[..., None] + steps).all(dim=2).all(dim=0).tolist()
-    keys = [host[:, _stored(j, bs, run)].numpy().tobytes() for j, run in enumerate(runs)]
-    return runs, keys
-
-
-def flush_together(waiting: list[tuple[KakeyaLayer, torch.Tensor]]) -> None:
-    """Flush layers that hold their blocks on their device (``(layer, its forward's values)``,
-    of one cache): their spans coded together, one set of ops per stream kind for all of them
-    (``Pipeline.encode_layers_on_device``), each layer's blocks the same as flushed alone. On a
-    GPU a prompt's flush is otherwise a few hundred small ops per layer, each queued by the
-    host, and sets the prefill's time."""
-    jobs = []
-    for layer, new_v in waiting:
-        n = layer._whole_blocks()
-        if n:
-            jobs.append((layer, n, *layer._flush_spans(n, new_v)))
-    if not jobs:
-        return
-    pipe = jobs[0][0]._ctx.pipeline
-    coded = {
-        s: pipe.encode_layers_on_device(
-            [(spans[s][0], layer.layer_idx, spans[s][1], sinks) for layer, _, sinks, spans in jobs],
-            s,
-        )
-        for s in ("k", "v")
-    }
-    for i, (layer, _, _, _) in enumerate(jobs):
-        layer._hold_on_device({s: coded[s][i] for s in coded})
-    _commit_flushes([(layer, n, [None] * n, [None] * n) for layer, n, _, _ in jobs])
-
-
-def _commit_flushes(done: list[tuple[KakeyaLayer, int, list, list]]) -> None:
-    """Hold each ``(layer, n, enc_k, enc_v)``'s ``n`` flushed blocks (:meth:`KakeyaLayer.
-    _add_blocks`) and drop their tokens from its hot window: their positions read to the host
-    in one copy, the windows' tails kept in one copy per kind, the heap trimmed once after."""
-    hosts = _host_positions([(layer, n * layer.block_size) for layer, n, _, _ in done])
-    for (layer, n, enc_k, enc_v), host in zip(done, hosts):
-        layer._add_blocks(n, enc_k, enc_v, host)
-    coded = sum(layer._flushed_bytes(n) for layer, n, _, _ in done)
-    tails = [(layer._hot, n * layer.block_size, layer._hot.length) for layer, n, _, _ in done]
-    for (layer, _, _, _), kept in zip(done, keep_together(tails)):
-        layer._hot = kept
-    heap.release_after(coded)  # a prompt's temporaries, left in the heap otherwise
-
-
-def _host_positions(flushed: list[tuple[KakeyaLayer, int]]) -> list:
-    """The positions of each ``(layer, t)``'s oldest ``t`` hot tokens on the host, ``[B,
-    t]`` (None each without positions): from a device, in one copy for all of them (a wait
-    each on a GPU otherwise)."""
-    stores = [layer._hot.pos_store for layer, _ in flushed]
-    if any(s is None for s in stores):
-        return [None] * len(flushed)
-    pieces = [s[:t] for s, (_, t) in zip(stores, flushed)]
-    if pieces[0].device.type == "cpu":
-        return [p.t() for p in pieces]
-    host = torch.cat([p.reshape(-1) for p in pieces]).cpu()
-    split = host.split([p.numel() for p in pieces])
-    return [h.view(p.shape).t() for h, p in zip(split, pieces)]
-
-
-def finish_forward(step: StepInputs) -> None:
-    """A hooked forward's end: the layers' new tokens that waited, appended to their hot windows
-    together (``hot_window.append_together``: a handful of ops for all layers, where each
-    layer's append was four), the flushes that makes due, and every flush waiting
-    (:func:`flush_together`)."""
-    appends, step.appends = step.appends, []
-    if appends:
-        encode = appends[0][0]._value_encoder()
-        append_together([(layer._hot, k, v, pos) for layer, k, v, pos in appends], encode)
-        for layer, _, v, _ in appends:
-            layer._flush(v)
-    flushes, step.flushes = step.flushes, []
-    flush_together(flushes)
 
 
 def _row_index(index: Any, name: str) -> torch.Tensor:
@@ -1062,24 +436,3 @@ def _row_index(index: Any, name: str) -> torch.Tensor:
     if t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integer row indices, got dtype {t.dtype}")
     return t.to(torch.long).reshape(-1)
-
-
-def _report(
-    kind, tokens, compressed_tokens, compressed, full, aux, decoded, bf16, dense, device_copy=0
-) -> dict:
-    total = compressed + full + aux + decoded + device_copy
-    return {
-        "kind": kind,
-        "tokens": tokens,
-        "compressed_tokens": compressed_tokens,
-        "compressed_bytes": compressed,
-        "full_precision_bytes": full,
-        "aux_bytes": aux,
-        "decoded_cache_bytes": decoded,
-        "device_copy_bytes": device_copy,
-        "total_bytes": total,
-        "bf16_equivalent_bytes": bf16,
-        "dense_bytes": dense,
-        "ratio": dense / total if total else 1.0,
-        "ratio_vs_bf16": bf16 / total if total else 1.0,
-    }

@@ -17,31 +17,24 @@ quality: vLLM's paged cache still holds bf16 pages, and the codec's bytes are re
 ``stats()`` rather than saved.
 """
 
-from .coder import ForwardPlan, HookStats, KVCoder, plan_forward, runs_from_positions
-from .config import CONFIG_ENV, VLLMHookConfig
-from .hooks import PRE_ROPE_FAMILIES, KakeyaVLLMHooks, install_hooks, layer_index
-from .plugin import config_from_env, installed_hooks, register, worker_stats
+from .coder import KVCoder
+from .config import VLLMHookConfig
+from .hooks import KakeyaVLLMHooks, install_hooks
+from .plugin import register
 
 #: The vLLM release whose installed source tests/integration/test_vllm_contract.py checked
 #: the hooks against (class paths, forward bodies, plugin API); the newest that installs on
 #: Python 3.11.
 VLLM_VERSION = "0.32.0"
 
+# What a user calls; the rest is importable from its own module (``.coder``: plan_forward,
+# runs_from_positions; ``.config``: CONFIG_ENV; ``.hooks``: layer_index, PRE_ROPE_FAMILIES;
+# ``.plugin``: config_from_env, installed_hooks, worker_stats).
 __all__ = [
-    "CONFIG_ENV",
-    "ForwardPlan",
-    "HookStats",
     "KVCoder",
     "KakeyaVLLMHooks",
-    "PRE_ROPE_FAMILIES",
     "VLLMHookConfig",
     "VLLM_VERSION",
-    "config_from_env",
     "install_hooks",
-    "installed_hooks",
-    "layer_index",
-    "plan_forward",
     "register",
-    "runs_from_positions",
-    "worker_stats",
 ]

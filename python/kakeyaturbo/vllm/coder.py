@@ -197,8 +197,9 @@ class KVCoder:
         count.exact_tokens += plan.num_tokens - plan.coded_tokens
         return to_device(out.reshape(x.shape), x.device, self.stats.transfer)
 
-    def _code(self, seg: torch.Tensor, n_sinks: int, layer: int, stream: str,
-              count: _StreamCount) -> torch.Tensor:
+    def _code(
+        self, seg: torch.Tensor, n_sinks: int, layer: int, stream: str, count: _StreamCount
+    ) -> torch.Tensor:
         sinks = torch.zeros((1, seg.shape[2]), dtype=torch.bool)
         sinks[:, :n_sinks] = True
         pipe = self.pipeline.fresh()  # a prompt is an independent sequence: its own frames

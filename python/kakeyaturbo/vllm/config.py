@@ -87,9 +87,7 @@ class VLLMHookConfig:
         for name in ("k_params", "v_params"):
             p = getattr(self, name)
             if p is not None and not isinstance(p, kt.CodecParams):
-                raise TypeError(
-                    f"{name} must be a kakeyaturbo.CodecParams, got {type(p).__name__}"
-                )
+                raise TypeError(f"{name} must be a kakeyaturbo.CodecParams, got {type(p).__name__}")
         if self.calibration is not None:
             if not isinstance(self.calibration, (str, os.PathLike)):
                 got = type(self.calibration).__name__

@@ -33,8 +33,10 @@ def check_eager(vllm_config: Any) -> None:
         return
     mode = _enum_value(getattr(cc, "mode", getattr(cc, "level", 0)))
     graphs = getattr(cc, "cudagraph_mode", None)
-    graphs_off = graphs is None or str(getattr(graphs, "name", graphs)).upper() == "NONE" or (
-        _enum_value(graphs) == 0
+    graphs_off = (
+        graphs is None
+        or str(getattr(graphs, "name", graphs)).upper() == "NONE"
+        or (_enum_value(graphs) == 0)
     )
     if (mode not in (0, None)) or not graphs_off:
         raise EagerModeError(

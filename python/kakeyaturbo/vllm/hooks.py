@@ -139,7 +139,8 @@ class KakeyaVLLMHooks:
                 f"{type(model).__name__} has no vLLM decoder Attention layer to hook"
             )
         parents = {
-            id(m.attn): m for m in model.modules()
+            id(m.attn): m
+            for m in model.modules()
             if isinstance(getattr(m, "attn", None), torch.nn.Module)
         }
         for attn in attn_layers:

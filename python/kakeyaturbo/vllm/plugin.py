@@ -74,7 +74,10 @@ def register() -> None:
         _INSTALLED.append(hooks)
         logger.info(
             "kakeyaturbo: hooked %d attention layers (%s, %s, streams=%s)",
-            len(hooks.layers), config.mode, config.hook, config.streams,
+            len(hooks.layers),
+            config.mode,
+            config.hook,
+            config.streams,
         )
         if config.stats_file and len(_INSTALLED) == 1:
             atexit.register(_write_stats, config.stats_file)

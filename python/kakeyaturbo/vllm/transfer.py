@@ -60,4 +60,3 @@ def to_device(x: torch.Tensor, device: torch.device, stats: TransferStats) -> to
     stats.h2d_seconds += time.perf_counter() - t0
     stats.h2d_bytes += x.numel() * x.element_size()
     return out
-

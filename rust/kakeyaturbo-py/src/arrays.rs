@@ -99,3 +99,31 @@ impl<D: Dimension> ArrayIn<'_, D> {
         })
     }
 }
+
+/// A float32 array of `D` dims, C-contiguous, or a TypeError naming `arg`.
+pub(crate) fn f32_array<'py, D: Dimension>(
+    obj: &Bound<'py, PyAny>,
+    arg: &str,
+) -> PyResult<PyReadonlyArray<'py, f32, D>> {
+    let want = || {
+        format!(
+            "expected a C-contiguous float32 array of {} dims",
+            D::NDIM.unwrap_or(0)
+        )
+    };
+    let a = obj
+        .extract::<PyReadonlyArray<'py, f32, D>>()
+        .map_err(|_| type_error(arg, want()))?;
+    if !a.is_c_contiguous() {
+        return Err(type_error(arg, want()));
+    }
+    Ok(a)
+}
+
+/// [`f32_array`] of an optional argument.
+pub(crate) fn opt_f32_array<'py, D: Dimension>(
+    obj: Option<&Bound<'py, PyAny>>,
+    arg: &str,
+) -> PyResult<Option<PyReadonlyArray<'py, f32, D>>> {
+    obj.map(|o| f32_array::<D>(o, arg)).transpose()
+}

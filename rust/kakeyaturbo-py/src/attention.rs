@@ -3,37 +3,18 @@
 
 use half::f16;
 use kakeyaturbo::coded_attention::{
-    self as core, Attend, CodedStreams, ExactPiece, Joint, Lanes, Norms, Precision, RopeAngles,
+    self as core, Attend, CodedStreams, ExactPiece, Joint, Lanes, Norms, RopeAngles,
 };
 use kakeyaturbo::EncodedLayer;
-use numpy::ndarray::Dimension;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use crate::arrays::{f32_array, opt_f32_array};
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in, type_error};
+use crate::params::precision_arg;
 use crate::prepared::PyPreparedKeys;
 use crate::workers;
-
-/// A float32 array of `D` dims, C-contiguous, or a TypeError naming `arg`.
-fn f32_array<'py, D: Dimension>(
-    obj: &Bound<'py, PyAny>,
-    arg: &str,
-) -> PyResult<PyReadonlyArray<'py, f32, D>> {
-    let want = || {
-        format!(
-            "expected a C-contiguous float32 array of {} dims",
-            D::NDIM.unwrap_or(0)
-        )
-    };
-    let a = obj
-        .extract::<PyReadonlyArray<'py, f32, D>>()
-        .map_err(|_| type_error(arg, want()))?;
-    if !a.is_c_contiguous() {
-        return Err(type_error(arg, want()));
-    }
-    Ok(a)
-}
 
 /// One run of exact keys or values, `[streams, n, head_dim]`, C-contiguous: float32, raw
 /// bfloat16 bits as uint16, or int8 rows `[streams, n, head_dim + 2]`.
@@ -75,14 +56,6 @@ fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<
     } else {
         Ok(vec![one(obj)?])
     }
-}
-
-/// [`f32_array`] of an optional argument.
-pub(crate) fn opt_f32_array<'py, D: Dimension>(
-    obj: Option<&Bound<'py, PyAny>>,
-    arg: &str,
-) -> PyResult<Option<PyReadonlyArray<'py, f32, D>>> {
-    obj.map(|o| f32_array::<D>(o, arg)).transpose()
 }
 
 /// The rotation `[rows, tokens, 2, pairs]`, its angles repeated `repeats` times across the
@@ -231,18 +204,6 @@ fn with_lead<'a>(
 
 fn layers<'a>(encs: &'a [Bound<'_, PyEncodedLayer>]) -> Vec<&'a EncodedLayer> {
     encs.iter().map(|e| &e.get().inner).collect()
-}
-
-/// The key frame product's arithmetic from its Python name.
-pub(crate) fn precision_arg(name: &str) -> PyResult<Precision> {
-    match name {
-        "float32" => Ok(Precision::F32),
-        "bfloat16" => Ok(Precision::Bf16),
-        "int16" => Ok(Precision::I16),
-        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "precision must be 'float32', 'int16' or 'bfloat16', got {name:?}"
-        ))),
-    }
 }
 
 /// Whether `precision="bfloat16"` multiplies in bfloat16 on this CPU for coded streams of

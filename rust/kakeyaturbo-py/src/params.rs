@@ -6,6 +6,7 @@
 //! it. The constructor builds the core struct whole and `to_dict` destructures it whole, so
 //! a core field missing from either does not compile.
 
+use kakeyaturbo::coded_attention::Precision;
 use kakeyaturbo::params::{int_bound_error, int_field_bounds};
 use kakeyaturbo::{Allocation, CodecParams, Metric, PcaMethod, SkeletonDtype};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
@@ -373,4 +374,16 @@ pub fn codec_params_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         inner: CodecParams::default(),
     }
     .to_dict(py)
+}
+
+/// The key frame product's arithmetic from its Python name.
+pub(crate) fn precision_arg(name: &str) -> PyResult<Precision> {
+    match name {
+        "float32" => Ok(Precision::F32),
+        "bfloat16" => Ok(Precision::Bf16),
+        "int16" => Ok(Precision::I16),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "precision must be 'float32', 'int16' or 'bfloat16', got {name:?}"
+        ))),
+    }
 }

@@ -10,9 +10,10 @@ use numpy::PyUntypedArrayMethods;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::attention::{opt_f32_array, precision_arg};
+use crate::arrays::opt_f32_array;
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in};
+use crate::params::precision_arg;
 use crate::workers;
 
 /// A float32 array as `prepare_keys` took it: kept alive while a worker reads its memory

@@ -11,8 +11,7 @@
 //! kernels once per layer with a few milliseconds of the model's own work between calls, long
 //! enough for rayon's workers to fall asleep. On rayon's global pool the calling thread only
 //! waits: every call wakes the workers, and every fork inside it waits for a woken one.
-//! Measured on SmolLM2 at 4k tokens (2 cores, a loop over the 30 layers with 2 ms of other
-//! work between calls), that made the calls 1.2-1.4x slower than back to back. Here the caller
+//! That made the calls measurably slower than back to back (`docs/performance.md`). Here the caller
 //! is worker 0 of its own pool: it starts on the work at once, and the other workers join as
 //! they wake. Each thread that calls gets its own pool, of rayon's default size
 //! (`RAYON_NUM_THREADS`, or one thread per core), built on its first call and dropped when the
@@ -42,10 +41,9 @@ pub fn share_torch_threads(enabled: bool) -> bool {
 /// The default of [`share_torch_threads`] from the environment, read once at import: off where
 /// `OMP_WAIT_POLICY=PASSIVE`. Torch's OpenMP threads then sleep between its ops instead of
 /// spinning, so the codec's own pool no longer fights them for the cores, and its idle worker
-/// makes the next layers' keys beside the model (which it cannot do on torch's team). With 2
-/// torch threads on a 2-core Zen 1, a 4k decode step of SmolLM2 with the default bundle took
-/// 264-284 ms per step on the codec's pool against 306-318 ms on torch's team (docs/speed.md,
-/// 32nd session); under the default policy that pool took 397 ms, torch's team 294.
+/// makes the next layers' keys beside the model (which it cannot do on torch's team): under
+/// that policy the codec's pool is the faster of the two, under the default policy torch's
+/// team is (`docs/performance.md`).
 pub fn follow_wait_policy() {
     let passive =
         std::env::var("OMP_WAIT_POLICY").is_ok_and(|v| v.trim().eq_ignore_ascii_case("passive"));

@@ -53,6 +53,20 @@ fn group<'a>(c: &'a mut Criterion, name: &str) -> BenchmarkGroup<'a, WallTime> {
     g
 }
 
+/// One benchmark `id` of `f` in a group `name` of its own, `throughput` per call.
+fn bench_alone<O>(
+    c: &mut Criterion,
+    name: &str,
+    id: BenchmarkId,
+    throughput: Throughput,
+    mut f: impl FnMut() -> O,
+) {
+    let mut g = group(c, name);
+    g.throughput(throughput);
+    g.bench_function(id, |b| b.iter(&mut f));
+    g.finish();
+}
+
 fn f32_bytes(n: usize, d: usize) -> Throughput {
     Throughput::Bytes((n * d * std::mem::size_of::<f32>()) as u64)
 }
@@ -156,36 +170,22 @@ fn bench_quantise_pack(c: &mut Criterion) {
             pack_into(&codes, bits as u32, &mut packed);
             assert_eq!(packed.len(), packed_len(codes.len(), bits as u32));
 
-            let mut g = group(c, "lloyd_max_quantise");
-            g.throughput(f32_bytes(BLOCK, d));
+            let bytes = || f32_bytes(BLOCK, d);
             let mut out = Vec::with_capacity(x.len());
-            g.bench_function(id.clone(), |b| {
-                b.iter(|| {
-                    out.clear();
-                    out.extend(black_box(&x).iter().map(|&v| cb.quantize(v)));
-                    black_box(&out);
-                })
+            bench_alone(c, "lloyd_max_quantise", id.clone(), bytes(), || {
+                out.clear();
+                out.extend(black_box(&x).iter().map(|&v| cb.quantize(v)));
+                black_box(&out);
             });
-            g.finish();
-
-            let mut g = group(c, "bit_pack");
-            g.throughput(f32_bytes(BLOCK, d));
             let mut buf = Vec::with_capacity(packed.len());
-            g.bench_function(id.clone(), |b| {
-                b.iter(|| {
-                    buf.clear();
-                    pack_into(black_box(&codes), bits as u32, &mut buf);
-                    black_box(&buf);
-                })
+            bench_alone(c, "bit_pack", id.clone(), bytes(), || {
+                buf.clear();
+                pack_into(black_box(&codes), bits as u32, &mut buf);
+                black_box(&buf);
             });
-            g.finish();
-
-            let mut g = group(c, "bit_unpack");
-            g.throughput(f32_bytes(BLOCK, d));
-            g.bench_function(id, |b| {
-                b.iter(|| unpack(black_box(&packed), codes.len(), bits as u32).unwrap())
+            bench_alone(c, "bit_unpack", id, bytes(), || {
+                unpack(black_box(&packed), codes.len(), bits as u32).unwrap()
             });
-            g.finish();
         }
     }
 }
@@ -222,29 +222,17 @@ fn bench_layer(c: &mut Criterion) {
             let id = BenchmarkId::from_parameter(format!("D{d}_b{bits}"));
             let enc = encode_layer(&x, LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap();
 
-            let mut g = group(c, "encode_layer");
-            g.throughput(f32_bytes(LAYER_TOKENS, d));
-            g.bench_function(id.clone(), |b| {
-                b.iter(|| {
-                    encode_layer(black_box(&x), LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap()
-                })
+            let values = || f32_bytes(LAYER_TOKENS, d);
+            bench_alone(c, "encode_layer", id.clone(), values(), || {
+                encode_layer(black_box(&x), LAYER_TOKENS, d, None, &p, InputDtype::F32).unwrap()
             });
-            g.finish();
-
-            let mut g = group(c, "decode_layer");
-            g.throughput(f32_bytes(LAYER_TOKENS, d));
-            g.bench_function(id.clone(), |b| {
-                b.iter(|| decode_layer(black_box(&enc)).unwrap())
+            bench_alone(c, "decode_layer", id.clone(), values(), || {
+                decode_layer(black_box(&enc)).unwrap()
             });
-            g.finish();
-
-            let mut g = group(c, "from_bytes");
-            g.throughput(f32_bytes(LAYER_TOKENS, d));
             let bytes = enc.as_bytes().to_vec();
-            g.bench_function(id, |b| {
-                b.iter(|| EncodedLayer::from_bytes(black_box(bytes.clone())).unwrap())
+            bench_alone(c, "from_bytes", id, values(), || {
+                EncodedLayer::from_bytes(black_box(bytes.clone())).unwrap()
             });
-            g.finish();
         }
     }
 }

@@ -130,10 +130,10 @@ pub enum BasisRef<'a> {
 mod tests {
     use super::*;
     use crate::codec::EncodedLayer;
-    use crate::codec::{decode_layer, decode_layer_with, encode_layer, encode_layer_with};
+    use crate::codec::{decode_layer, decode_layer_with, encode_layer_with};
     use crate::params::InputDtype;
     use crate::stages::rel_err;
-    use crate::test_data::{kv_like, waterfill};
+    use crate::test_data::{encode_f32, kv_like, waterfill};
 
     #[test]
     fn external_basis_is_not_stored_and_must_match() {
@@ -143,7 +143,7 @@ mod tests {
         let basis = ExternalBasis::new(fit.basis.clone(), d, d).unwrap();
         let p = waterfill(2.0);
         let with = encode_layer_with(&x, n, d, None, &p, InputDtype::F32, Some(&basis)).unwrap();
-        let own = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let own = encode_f32(&x, n, d, &p);
         assert!(with.nbytes() + 2 * d * d * 2 - 12 - 200 <= own.nbytes());
         assert_eq!(with.external_fingerprint(), Some(basis.fingerprint()));
         assert!(matches!(decode_layer(&with), Err(Error::InvalidParams(_))));

@@ -20,8 +20,6 @@
 
 use std::borrow::Cow;
 
-use half::f16;
-
 use crate::basis::{BasisRef, ExternalBasis};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -31,56 +29,11 @@ use crate::format::{
 use crate::parallel;
 use crate::params::{Allocation, CodecParams, InputDtype, MAX_HEAD_DIM, MAX_MAGNITUDE};
 use crate::pca::{fit_basis, normalised_weights, project, rounded_mean, unproject, SharedBasis};
-use crate::uniform::{self, UniformBody};
-use crate::waterfill::{self, WaterfillBody, WaterfillCodes};
+use crate::uniform;
+use crate::waterfill::{self, WaterfillCodes};
 
-/// One encoded block, with its codes unpacked (the wire form packs them).
-#[derive(Debug, Clone, PartialEq)]
-pub struct EncodedBlock {
-    /// Vectors in the block.
-    pub n: usize,
-    /// Kept PCA components.
-    pub d_eff: usize,
-    /// Block mean (empty with a shared basis).
-    pub mean: Vec<f32>,
-    /// Block basis rows (empty with a shared or external basis, or `pca_method = none`).
-    pub basis: Vec<f32>,
-    /// The coded coefficients; the variant follows the layer's [`Allocation`].
-    pub body: BlockBody,
-}
-
-/// How a block's coefficients are coded.
-#[derive(Debug, Clone, PartialEq)]
-pub enum BlockBody {
-    /// Skeleton, rotation and `bit_width` bits per rotated coordinate.
-    Uniform(UniformBody),
-    /// Bits per PCA component by reverse water-filling.
-    Waterfill(WaterfillBody),
-}
-
-impl BlockBody {
-    /// k-means centres stored (0 for water-filled blocks).
-    pub fn k_used(&self) -> usize {
-        match self {
-            BlockBody::Uniform(u) => u.skeleton.k_used,
-            BlockBody::Waterfill(_) => 0,
-        }
-    }
-    /// k-means iterations run (0 for water-filled blocks).
-    pub fn kmeans_iters(&self) -> u32 {
-        match self {
-            BlockBody::Uniform(u) => u.skeleton.iters,
-            BlockBody::Waterfill(_) => 0,
-        }
-    }
-    /// Exactly stored coordinates, `(flat position, value)`, positions ascending.
-    pub fn outliers(&self) -> &[(u32, f16)] {
-        match self {
-            BlockBody::Uniform(u) => &u.outliers,
-            BlockBody::Waterfill(w) => &w.outliers,
-        }
-    }
-}
+pub(crate) mod block;
+pub use block::{BlockBody, EncodedBlock};
 
 /// Per-block statistics, available after encode and after `from_bytes`.
 #[derive(Debug, Clone, PartialEq)]

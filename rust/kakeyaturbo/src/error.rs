@@ -4,6 +4,8 @@
 
 use thiserror::Error;
 
+use crate::format::version::FORMAT_VERSION;
+
 /// Everything that can go wrong in the codec.
 #[derive(Debug, Error, Clone, PartialEq)]
 #[non_exhaustive]
@@ -42,8 +44,8 @@ pub enum Error {
         computed: u32,
     },
     /// The blob was written by a format version this build cannot read (it reads the
-    /// versions in [`crate::format::READABLE_VERSIONS`]).
-    #[error("unsupported format version {0} (this build reads version {max})", max = crate::format::FORMAT_VERSION)]
+    /// versions in [`crate::format::version::READABLE_VERSIONS`]).
+    #[error("unsupported format version {0} (this build reads version {max})", max = FORMAT_VERSION)]
     UnsupportedVersion(u16),
 }
 

@@ -296,6 +296,7 @@ fn pick(weights: &[f64], g: &mut SplitMix64) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_data::{normal_samples, params, uniform_weights};
 
     fn captured(coeffs: &[f32], n: usize, d: usize, sk: &Skeleton) -> f64 {
         (0..n)
@@ -320,7 +321,7 @@ mod tests {
                 x[i * d + c] += 0.01 * g.normal() as f32;
             }
         }
-        let w = vec![1.0 / n as f64; n];
+        let w = uniform_weights(n);
         let sk = fit(&x, n, d, 2, 20, &w, 7);
         assert_eq!(sk.k_used, 2);
         let total: f64 = x.iter().map(|&v| (v as f64).powi(2)).sum();
@@ -339,9 +340,8 @@ mod tests {
     #[test]
     fn more_iterations_never_capture_less() {
         let (n, d) = (300, 6);
-        let mut g = SplitMix64::new(3, 3);
-        let x: Vec<f32> = (0..n * d).map(|_| g.normal() as f32).collect();
-        let w = vec![1.0 / n as f64; n];
+        let x = normal_samples(n * d, 3, 3);
+        let w = uniform_weights(n);
         let one = fit(&x, n, d, 4, 1, &w, 5);
         let many = fit(&x, n, d, 4, 30, &w, 5);
         assert!(captured(&x, n, d, &many) >= captured(&x, n, d, &one) * 0.999);
@@ -367,13 +367,9 @@ mod tests {
     #[test]
     fn apply_then_add_back_restores_the_coefficients() {
         let (n, d) = (64, 6);
-        let mut g = SplitMix64::new(4, 4);
-        let x: Vec<f32> = (0..n * d).map(|_| g.normal() as f32).collect();
-        let w = vec![1.0 / n as f64; n];
-        let p = CodecParams {
-            k: 4,
-            ..Default::default()
-        };
+        let x = normal_samples(n * d, 4, 4);
+        let w = uniform_weights(n);
+        let p = params(|p| p.k = 4);
         let mut r = x.clone();
         let sk = apply(&mut r, n, d, &w, &p, block_seed(p.seed, 3));
         assert_eq!((sk.k_used, sk.labels.len(), sk.t.len()), (4, n, n));
@@ -389,10 +385,7 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f32::max);
         assert!(err < 1e-5, "{err}");
-        let none = CodecParams {
-            k: 0,
-            ..Default::default()
-        };
+        let none = params(|p| p.k = 0);
         let mut same = x.clone();
         assert_eq!(
             apply(&mut same, n, d, &w, &none, 0),

@@ -16,16 +16,18 @@
 //!    Steps 2-4 are the uniform allocation ([`uniform`]). With `Allocation::Waterfill`
 //!    they become transform coding instead: bits are spent per PCA component by reverse
 //!    water-filling ([`waterfill`]).
-//! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format ([`format`]).
+//! 5. **Bit packing** ([`bitpack`]) into a versioned, checksummed wire format
+//!    ([`format`](mod@format)).
 //!
 //! The layer and block driver lives in [`codec`], parameters in [`params`], per-stage error
 //! diagnostics in [`stages`]; [`coded_attention`] computes attention logits and value sums
-//! over coded blocks without a decoded copy of the layer. The decoder treats every byte as hostile: decoding either
-//! succeeds or returns [`Error`], never panics.
+//! over coded blocks without a decoded copy of the layer. The decoder treats every byte as hostile:
+//! decoding either succeeds or returns [`Error`], never panics.
 // The only unsafe code is the run-time dispatch to AVX + FMA builds of the attention kernels
-// (`coded_attention`), to its AVX512-BF16, AVX512-VNNI and AVX2 frame products
-// (`coded_attention/bf16.rs`, `coded_attention/int16.rs`) and to the AVX2 gather decoder of
-// water-filled blocks (`waterfill/gather.rs`), allowed there alone.
+// and their intrinsics (`coded_attention/cpu.rs`, `avx.rs`, `frame.rs`, `kernels.rs`), to its
+// AVX512-BF16, AVX512-VNNI and AVX2 frame products (`coded_attention/bf16.rs`,
+// `coded_attention/int16.rs` and `int16/x86.rs`) and to the AVX2 decoders of water-filled
+// blocks (`waterfill/decode.rs`, `gather.rs`, `sums.rs`), allowed there alone.
 #![deny(unsafe_code)]
 
 pub mod basis;
@@ -48,6 +50,7 @@ pub mod stages;
 mod test_data;
 pub mod uniform;
 pub mod waterfill;
+mod weighted;
 pub mod wht;
 
 pub use basis::{BasisRef, ExternalBasis};

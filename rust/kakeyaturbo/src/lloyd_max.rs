@@ -249,6 +249,7 @@ pub fn gaussian_distortion(bits: u8) -> f64 {
 mod tests {
     use super::*;
     use crate::rng::SplitMix64;
+    use crate::test_data::normal_samples;
 
     #[test]
     fn gaussian_distortion_matches_published_optimum() {
@@ -264,8 +265,7 @@ mod tests {
 
     #[test]
     fn empirical_distortion_on_normal_samples_within_two_percent() {
-        let mut g = SplitMix64::new(11, 1);
-        let xs: Vec<f32> = (0..400_000).map(|_| g.normal() as f32).collect();
+        let xs = normal_samples(400_000, 11, 1);
         for (bits, want) in [(1u8, 0.3634), (2, 0.1175), (3, 0.03454), (4, 0.009497)] {
             let cb = gaussian(bits).unwrap();
             let mse: f64 = xs
@@ -330,8 +330,7 @@ mod tests {
 
     #[test]
     fn fit_on_gaussian_samples_recovers_gaussian_codebook() {
-        let mut g = SplitMix64::new(5, 2);
-        let xs: Vec<f32> = (0..200_000).map(|_| g.normal() as f32).collect();
+        let xs = normal_samples(200_000, 5, 2);
         let fitted = Codebook::fit(&xs, 3, 200).unwrap();
         let gauss = gaussian(3).unwrap();
         for (a, b) in fitted.levels().iter().zip(gauss.levels()) {

@@ -318,6 +318,7 @@ impl CodecParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_data::{edited, params};
 
     #[test]
     fn default_is_valid() {
@@ -326,60 +327,24 @@ mod tests {
 
     #[test]
     fn rejects_bad_fields() {
-        let bad = [
-            CodecParams {
-                bit_width: 5,
-                ..Default::default()
-            },
-            CodecParams {
-                block_size: 0,
-                ..Default::default()
-            },
-            CodecParams {
-                variance_ratio: 0.0,
-                ..Default::default()
-            },
-            CodecParams {
-                variance_ratio: 1.5,
-                ..Default::default()
-            },
-            CodecParams {
-                outlier_threshold: f32::NAN,
-                ..Default::default()
-            },
-            CodecParams {
-                k: 1000,
-                block_size: 64,
-                ..Default::default()
-            },
-            CodecParams {
-                target_rank: 8,
-                ..Default::default()
-            },
-            CodecParams {
-                centroids: Some(vec![0.0, 1.0]),
-                ..Default::default()
-            },
-            CodecParams {
-                bit_width: 1,
-                centroids: Some(vec![1.0, -1.0]),
-                ..Default::default()
-            },
-            CodecParams {
-                kmeans_iters: MAX_KMEANS_ITERS + 1,
-                ..Default::default()
-            },
-            CodecParams {
-                oversample: MAX_OVERSAMPLE + 1,
-                ..Default::default()
-            },
-            CodecParams {
-                k: MAX_K + 1,
-                block_size: MAX_BLOCK_SIZE,
-                ..Default::default()
-            },
+        // Each edit of the defaults makes them invalid.
+        let bad: [fn(&mut CodecParams); 12] = [
+            |p| p.bit_width = 5,
+            |p| p.block_size = 0,
+            |p| p.variance_ratio = 0.0,
+            |p| p.variance_ratio = 1.5,
+            |p| p.outlier_threshold = f32::NAN,
+            |p| (p.k, p.block_size) = (1000, 64),
+            |p| p.target_rank = 8,
+            |p| p.centroids = Some(vec![0.0, 1.0]),
+            |p| (p.bit_width, p.centroids) = (1, Some(vec![1.0, -1.0])),
+            |p| p.kmeans_iters = MAX_KMEANS_ITERS + 1,
+            |p| p.oversample = MAX_OVERSAMPLE + 1,
+            |p| (p.k, p.block_size) = (MAX_K + 1, MAX_BLOCK_SIZE),
         ];
-        for p in bad {
+        for edit in bad {
+            let mut p = CodecParams::default();
+            edit(&mut p);
             assert!(
                 matches!(p.validate(), Err(Error::InvalidParams(_))),
                 "{p:?}"
@@ -392,10 +357,7 @@ mod tests {
         assert_eq!(int_field_bounds("k"), Some((0, MAX_K as u64)));
         assert_eq!(int_field_bounds("seed"), Some((0, u64::MAX)));
         assert_eq!(int_field_bounds("variance_ratio"), None);
-        let p = CodecParams {
-            power_iters: 65,
-            ..Default::default()
-        };
+        let p = params(|p| p.power_iters = 65);
         let msg = p.validate().unwrap_err().to_string();
         assert!(
             msg.contains("power_iters must be in 0..=64, got 65"),
@@ -409,19 +371,31 @@ mod tests {
             }
             let mut vals = d.int_fields();
             vals[i] = hi + 1;
-            let p = CodecParams {
-                block_size: vals[0] as usize,
-                bit_width: vals[1].min(255) as u8,
-                target_rank: vals[2] as usize,
-                oversample: vals[3] as usize,
-                power_iters: vals[4] as usize,
-                rank_cap: vals[5] as usize,
-                k: vals[6] as usize,
-                kmeans_iters: vals[7] as usize,
-                seed: vals[8],
-                pca_method: PcaMethod::Randomized,
-                ..d.clone()
-            };
+            let p = edited(&d, |p| {
+                (
+                    p.block_size,
+                    p.bit_width,
+                    p.target_rank,
+                    p.oversample,
+                    p.power_iters,
+                    p.rank_cap,
+                    p.k,
+                    p.kmeans_iters,
+                    p.seed,
+                    p.pca_method,
+                ) = (
+                    vals[0] as usize,
+                    vals[1].min(255) as u8,
+                    vals[2] as usize,
+                    vals[3] as usize,
+                    vals[4] as usize,
+                    vals[5] as usize,
+                    vals[6] as usize,
+                    vals[7] as usize,
+                    vals[8],
+                    PcaMethod::Randomized,
+                )
+            });
             let msg = p.validate().unwrap_err().to_string();
             assert!(msg.contains(name), "{name}: {msg}");
         }

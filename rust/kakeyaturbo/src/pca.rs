@@ -20,86 +20,12 @@
 
 use nalgebra::{DMatrix, DMatrixView, DMatrixViewMut, SymmetricEigen};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::params::{CodecParams, PcaMethod};
 use crate::rsvd;
-
-/// A fitted PCA: mean, orthonormal basis rows and the spectrum.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PcaFit {
-    /// Weighted mean, length `d`.
-    pub mean: Vec<f32>,
-    /// `d_eff` orthonormal rows of length `d`, row-major, by descending variance.
-    pub basis: Vec<f32>,
-    /// Number of kept components.
-    pub d_eff: usize,
-    /// Variances of the computed components, descending (all `d` for exact PCA).
-    pub eigenvalues: Vec<f64>,
-    /// Total variance (trace of the covariance).
-    pub total_variance: f64,
-}
-
-/// Normalised weights (sum 1), or uniform when `weights` is `None`.
-pub fn normalised_weights(n: usize, weights: Option<&[f32]>) -> Result<Vec<f64>> {
-    match weights {
-        None => Ok(vec![1.0 / n as f64; n]),
-        Some(w) => {
-            if w.len() != n {
-                return Err(Error::Shape(format!(
-                    "weights has {} entries for {n} vectors",
-                    w.len()
-                )));
-            }
-            if let Some(i) = w.iter().position(|v| !v.is_finite() || *v < 0.0) {
-                return Err(Error::InvalidParams(format!(
-                    "weights must be finite and >= 0 (index {i} is {})",
-                    w[i]
-                )));
-            }
-            let s: f64 = w.iter().map(|&v| v as f64).sum();
-            if s <= 0.0 {
-                return Err(Error::InvalidParams("weights sum to zero".into()));
-            }
-            Ok(w.iter().map(|&v| v as f64 / s).collect())
-        }
-    }
-}
-
-/// Weighted mean of `n` rows of length `d`.
-pub fn weighted_mean(x: &[f32], n: usize, d: usize, w: &[f64]) -> Vec<f64> {
-    let mut mu = vec![0.0f64; d];
-    for i in 0..n {
-        let row = &x[i * d..(i + 1) * d];
-        for (m, &v) in mu.iter_mut().zip(row) {
-            *m += w[i] * v as f64;
-        }
-    }
-    mu
-}
-
-/// The `sqrt(w_i) (x_i - mu)` matrix (n x d): its Gram matrix is the weighted covariance.
-pub fn centred_weighted(x: &[f32], n: usize, d: usize, w: &[f64], mu: &[f64]) -> DMatrix<f64> {
-    DMatrix::from_fn(n, d, |i, j| w[i].sqrt() * (x[i * d + j] as f64 - mu[j]))
-}
-
-/// Fewest leading components reaching `ratio` of `total`, within `1..=max_rank`.
-pub fn choose_rank(eigenvalues: &[f64], total: f64, ratio: f32, max_rank: usize) -> usize {
-    let max_rank = max_rank.min(eigenvalues.len()).max(1);
-    if total <= 0.0 {
-        return 1;
-    }
-    // A relative tolerance so that ratio 1.0 stops at numerical full rank instead of
-    // keeping components that hold only rounding noise.
-    let target = (ratio as f64 - 1e-7).max(0.0) * total;
-    let mut cum = 0.0;
-    for (k, &ev) in eigenvalues.iter().enumerate().take(max_rank) {
-        cum += ev.max(0.0);
-        if cum >= target {
-            return k + 1;
-        }
-    }
-    max_rank
-}
+pub use crate::weighted::{
+    centred_weighted, choose_rank, normalised_weights, weighted_mean, PcaFit,
+};
 
 /// Exact weighted PCA by symmetric eigendecomposition of the `d x d` covariance.
 pub fn fit_exact(
@@ -260,31 +186,11 @@ pub fn unproject(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::codec::{decode_layer, encode_layer, EncodedLayer};
-    use crate::params::InputDtype;
-    use crate::rng::SplitMix64;
+    use crate::codec::{decode_layer, EncodedLayer};
     use crate::stages::rel_err;
-    use crate::test_data::{kv_like, roundtrip, total_outliers};
-
-    /// Rows with variance `scales[j]^2` along a random orthonormal frame.
-    pub(crate) fn anisotropic(n: usize, d: usize, seed: u64) -> Vec<f32> {
-        let mut g = SplitMix64::new(seed, 9);
-        let frame = DMatrix::from_fn(d, d, |_, _| g.normal()).qr().q();
-        let mut x = vec![0.0f32; n * d];
-        for i in 0..n {
-            let z: Vec<f64> = (0..d)
-                .map(|j| g.normal() * 4.0 / (1.0 + j as f64))
-                .collect();
-            for c in 0..d {
-                let mut v = 1.5;
-                for (j, zj) in z.iter().enumerate() {
-                    v += frame[(c, j)] * zj;
-                }
-                x[i * d + c] = v as f32;
-            }
-        }
-        x
-    }
+    use crate::test_data::{
+        anisotropic, edited, encode_f32, kv_like, params, roundtrip, total_outliers,
+    };
 
     #[test]
     fn basis_is_orthonormal_and_spectrum_sorted() {
@@ -302,6 +208,27 @@ pub(crate) mod tests {
             }
         }
         assert!(fit.eigenvalues.windows(2).all(|w| w[0] >= w[1]));
+    }
+
+    #[test]
+    fn randomized_fit_matches_exact_spectrum_on_decaying_data() {
+        let (n, d) = (400, 32);
+        let x = anisotropic(n, d, 4);
+        let exact = fit_exact(&x, n, d, None, 1.0, d).unwrap();
+        let approx = crate::rsvd::fit_randomized(&x, n, d, None, 1.0, 8, 8, 8, 2, 1).unwrap();
+        assert_eq!(approx.d_eff, 8);
+        for k in 0..4 {
+            let rel = (approx.eigenvalues[k] - exact.eigenvalues[k]).abs() / exact.eigenvalues[k];
+            assert!(rel < 0.01, "component {k}: rel err {rel}");
+        }
+        // The leading subspaces agree: |<u_k, v_k>| ~ 1 for well-separated components.
+        for k in 0..3 {
+            let dot: f32 = (0..d)
+                .map(|c| approx.basis[k * d + c] * exact.basis[k * d + c])
+                .sum();
+            assert!(dot.abs() > 0.99, "component {k}: |cos| {}", dot.abs());
+        }
+        assert!((approx.total_variance - exact.total_variance).abs() < 1e-6 * exact.total_variance);
     }
 
     #[test]
@@ -328,17 +255,11 @@ pub(crate) mod tests {
     fn variance_ratio_and_rank_cap_bound_d_eff() {
         let (n, d) = (512, 64);
         let x = kv_like(n, d, 6);
-        let p = CodecParams {
-            rank_cap: 20,
-            ..Default::default()
-        };
-        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let p = params(|p| p.rank_cap = 20);
+        let enc = encode_f32(&x, n, d, &p);
         assert_eq!(enc.stats()[0].d_eff, 20);
-        let p = CodecParams {
-            variance_ratio: 0.5,
-            ..Default::default()
-        };
-        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let p = params(|p| p.variance_ratio = 0.5);
+        let enc = encode_f32(&x, n, d, &p);
         assert!(enc.stats()[0].d_eff < 40);
     }
 
@@ -346,14 +267,8 @@ pub(crate) mod tests {
     fn randomized_pca_close_to_exact() {
         let (n, d) = (512, 64);
         let x = kv_like(n, d, 7);
-        let ex = CodecParams {
-            bit_width: 4,
-            ..Default::default()
-        };
-        let rp = CodecParams {
-            pca_method: PcaMethod::Randomized,
-            ..ex.clone()
-        };
+        let ex = params(|p| p.bit_width = 4);
+        let rp = edited(&ex, |p| p.pca_method = PcaMethod::Randomized);
         let (ye, _) = roundtrip(&x, n, d, &ex);
         let (yr, _) = roundtrip(&x, n, d, &rp);
         let (ee, er) = (rel_err(&x, &ye), rel_err(&x, &yr));
@@ -364,16 +279,8 @@ pub(crate) mod tests {
     fn pca_none_stores_no_basis_and_roundtrips() {
         let (n, d) = (1024, 64);
         let x = kv_like(n, d, 12);
-        let none = CodecParams {
-            pca_method: PcaMethod::None,
-            k: 0,
-            bit_width: 3,
-            ..Default::default()
-        };
-        let exact = CodecParams {
-            pca_method: PcaMethod::Exact,
-            ..none.clone()
-        };
+        let none = params(|p| (p.pca_method, p.k, p.bit_width) = (PcaMethod::None, 0, 3));
+        let exact = edited(&none, |p| p.pca_method = PcaMethod::Exact);
         let (yn, en) = roundtrip(&x, n, d, &none);
         let (_, ee) = roundtrip(&x, n, d, &exact);
         assert_eq!(en.stats()[0].d_eff, d);
@@ -395,10 +302,7 @@ pub(crate) mod tests {
     fn project_then_unproject_is_exact_at_full_rank() {
         let (n, d) = (40, 8);
         let x = anisotropic(n, d, 4);
-        let p = CodecParams {
-            skeleton_dtype: crate::params::SkeletonDtype::F32,
-            ..Default::default()
-        };
+        let p = params(|p| p.skeleton_dtype = crate::params::SkeletonDtype::F32);
         let sb = fit_basis(&x, n, d, None, &p).unwrap();
         assert_eq!(sb.d_eff, d);
         let c = project(&x, n, d, &sb.mean, &sb.basis, sb.d_eff);

@@ -11,8 +11,8 @@
 use nalgebra::DMatrix;
 
 use crate::error::Result;
-use crate::pca::{centred_weighted, choose_rank, normalised_weights, weighted_mean, PcaFit};
 use crate::rng::SplitMix64;
+use crate::weighted::{centred_weighted, choose_rank, normalised_weights, weighted_mean, PcaFit};
 
 const RSVD_STREAM: u64 = 0x5253_5644; // "RSVD"
 
@@ -74,29 +74,7 @@ pub fn fit_randomized(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pca::fit_exact;
-    use crate::pca::tests::anisotropic;
-
-    #[test]
-    fn matches_exact_spectrum_on_decaying_data() {
-        let (n, d) = (400, 32);
-        let x = anisotropic(n, d, 4);
-        let exact = fit_exact(&x, n, d, None, 1.0, d).unwrap();
-        let approx = fit_randomized(&x, n, d, None, 1.0, 8, 8, 8, 2, 1).unwrap();
-        assert_eq!(approx.d_eff, 8);
-        for k in 0..4 {
-            let rel = (approx.eigenvalues[k] - exact.eigenvalues[k]).abs() / exact.eigenvalues[k];
-            assert!(rel < 0.01, "component {k}: rel err {rel}");
-        }
-        // The leading subspaces agree: |<u_k, v_k>| ~ 1 for well-separated components.
-        for k in 0..3 {
-            let dot: f32 = (0..d)
-                .map(|c| approx.basis[k * d + c] * exact.basis[k * d + c])
-                .sum();
-            assert!(dot.abs() > 0.99, "component {k}: |cos| {}", dot.abs());
-        }
-        assert!((approx.total_variance - exact.total_variance).abs() < 1e-6 * exact.total_variance);
-    }
+    use crate::test_data::anisotropic;
 
     #[test]
     fn seed_is_deterministic() {

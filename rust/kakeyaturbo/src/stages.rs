@@ -111,16 +111,13 @@ pub fn stage_errors(x: &[f32], n: usize, d: usize, p: &CodecParams) -> Result<St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_data::kv_like;
+    use crate::test_data::{kv_like, params};
 
     #[test]
     fn stage_errors_are_ordered() {
         let (n, d) = (512, 32);
         let x = kv_like(n, d, 11);
-        let p = CodecParams {
-            variance_ratio: 0.95,
-            ..Default::default()
-        };
+        let p = params(|p| p.variance_ratio = 0.95);
         let s = stage_errors(&x, n, d, &p).unwrap();
         assert!(s.pca > 0.0 && s.pca <= s.quantised + 1e-9);
         assert!(s.skeleton >= s.pca);

@@ -4,6 +4,8 @@ use crate::basis::ExternalBasis;
 use crate::codec::{
     decode_layer, decode_layer_into, decode_layer_with, encode_layer, EncodedLayer,
 };
+use nalgebra::DMatrix;
+
 use crate::params::{Allocation, CodecParams, InputDtype};
 use crate::rng::SplitMix64;
 
@@ -25,6 +27,42 @@ pub(crate) fn kv_like(n: usize, d: usize, seed: u64) -> Vec<f32> {
     x
 }
 
+/// Rows with variance `scales[j]^2` along a random orthonormal frame.
+pub(crate) fn anisotropic(n: usize, d: usize, seed: u64) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed, 9);
+    let frame = DMatrix::from_fn(d, d, |_, _| g.normal()).qr().q();
+    let mut x = vec![0.0f32; n * d];
+    for i in 0..n {
+        let z: Vec<f64> = (0..d)
+            .map(|j| g.normal() * 4.0 / (1.0 + j as f64))
+            .collect();
+        for c in 0..d {
+            let mut v = 1.5;
+            for (j, zj) in z.iter().enumerate() {
+                v += frame[(c, j)] * zj;
+            }
+            x[i * d + c] = v as f32;
+        }
+    }
+    x
+}
+
+/// `len` standard normal samples from the generator `(seed, stream)`.
+pub(crate) fn normal_samples(len: usize, seed: u64, stream: u64) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed, stream);
+    (0..len).map(|_| g.normal() as f32).collect()
+}
+
+/// Equal weights (sum 1) for `n` vectors.
+pub(crate) fn uniform_weights(n: usize) -> Vec<f64> {
+    vec![1.0 / n as f64; n]
+}
+
+/// Encodes `x` (`n x d`, f32, unweighted).
+pub(crate) fn encode_f32(x: &[f32], n: usize, d: usize, p: &CodecParams) -> EncodedLayer {
+    encode_layer(x, n, d, None, p, InputDtype::F32).unwrap()
+}
+
 /// Encodes `x` (`n x d`, f32) and decodes it again.
 pub(crate) fn roundtrip(
     x: &[f32],
@@ -32,7 +70,7 @@ pub(crate) fn roundtrip(
     d: usize,
     p: &CodecParams,
 ) -> (Vec<f32>, EncodedLayer) {
-    let enc = encode_layer(x, n, d, None, p, InputDtype::F32).unwrap();
+    let enc = encode_f32(x, n, d, p);
     (decode_layer(&enc).unwrap(), enc)
 }
 
@@ -44,6 +82,18 @@ pub(crate) fn waterfill(bpv: f32) -> CodecParams {
         k: 0,
         ..Default::default()
     }
+}
+
+/// `base` with `edit` applied: a test's parameters, changed in a field or two.
+pub(crate) fn edited(base: &CodecParams, edit: impl FnOnce(&mut CodecParams)) -> CodecParams {
+    let mut p = base.clone();
+    edit(&mut p);
+    p
+}
+
+/// The default parameters with `edit` applied.
+pub(crate) fn params(edit: impl FnOnce(&mut CodecParams)) -> CodecParams {
+    edited(&CodecParams::default(), edit)
 }
 
 /// Outliers stored in all of a layer's blocks.
@@ -64,6 +114,17 @@ pub(crate) fn assert_corruption_is_rejected(good: &[u8], seed: u64) {
         b[i] ^= 1 << g.below(8);
         assert!(EncodedLayer::from_bytes(b).unwrap_err().is_format_error());
     }
+}
+
+/// Both corruption checks of a valid encoding: [`assert_corruption_is_rejected`] drawn from
+/// `seed`, [`assert_resealed_corruption_is_safe`] (with `external`) from `seed + 1`.
+pub(crate) fn assert_corruptions_are_safe(
+    good: &[u8],
+    external: Option<&ExternalBasis>,
+    seed: u64,
+) {
+    assert_corruption_is_rejected(good, seed);
+    assert_resealed_corruption_is_safe(good, external, seed + 1);
 }
 
 /// 2,000 random corruptions of a valid encoding (1 to 4 bytes overwritten, drawn from

@@ -135,9 +135,8 @@ pub fn decode(b: &UniformBody, n: usize, d_eff: usize, p: &CodecParams) -> Resul
 #[cfg(test)]
 mod tests {
     use crate::params::{CodecParams, Metric};
-    use crate::rng::SplitMix64;
     use crate::stages::rel_err;
-    use crate::test_data::{kv_like, roundtrip};
+    use crate::test_data::{edited, kv_like, normal_samples, params, roundtrip};
 
     #[test]
     fn error_falls_with_bit_width() {
@@ -145,10 +144,7 @@ mod tests {
         let x = kv_like(n, d, 1);
         let mut last = f64::INFINITY;
         for bits in [1u8, 2, 3, 4, 8] {
-            let p = CodecParams {
-                bit_width: bits,
-                ..Default::default()
-            };
+            let p = params(|p| p.bit_width = bits);
             let (y, enc) = roundtrip(&x, n, d, &p);
             let e = rel_err(&x, &y);
             assert!(e < last, "{bits} bits: {e} not below {last}");
@@ -164,11 +160,7 @@ mod tests {
         // residual energy (below 0.1 of the total, since the mean carries energy too).
         let (n, d) = (512, 64);
         let x = kv_like(n, d, 2);
-        let p = CodecParams {
-            bit_width: 4,
-            k: 0,
-            ..Default::default()
-        };
+        let p = params(|p| (p.bit_width, p.k) = (4, 0));
         let (y, _) = roundtrip(&x, n, d, &p);
         let e = rel_err(&x, &y);
         assert!(e < 0.1, "relative error {e}");
@@ -199,18 +191,9 @@ mod tests {
         // Isotropic data: rotated coordinates are close to N(0, 1), so a low threshold flags
         // a few percent of them, and storing those exactly must lower the error.
         let (n, d) = (256, 16);
-        let mut g = SplitMix64::new(9, 9);
-        let x: Vec<f32> = (0..n * d).map(|_| g.normal() as f32).collect();
-        let with = CodecParams {
-            outlier_threshold: 1.5,
-            k: 0,
-            bit_width: 2,
-            ..Default::default()
-        };
-        let without = CodecParams {
-            outlier_threshold: f32::INFINITY,
-            ..with.clone()
-        };
+        let x = normal_samples(n * d, 9, 9);
+        let with = params(|p| (p.outlier_threshold, p.k, p.bit_width) = (1.5, 0, 2));
+        let without = edited(&with, |p| p.outlier_threshold = f32::INFINITY);
         let (yw, ew) = roundtrip(&x, n, d, &with);
         let (yo, eo) = roundtrip(&x, n, d, &without);
         let count = ew.stats()[0].n_outliers;

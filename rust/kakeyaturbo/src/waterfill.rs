@@ -21,20 +21,20 @@
 
 use half::f16;
 
-use crate::lloyd_max::{self, gaussian_distortion, Codebook};
+use crate::lloyd_max::{gaussian_distortion, Codebook};
 use crate::outliers;
 use crate::params::{CodecParams, MAX_MAGNITUDE};
 
+mod books;
 mod decode;
 #[cfg(target_arch = "x86_64")]
 mod gather;
 #[cfg(target_arch = "x86_64")]
 mod sums;
 
+pub(crate) use books::book;
+pub use books::{ip_gain, MAX_COMPONENT_BITS};
 pub use decode::{decode_into, decode_mapped, weighted_sums, weighted_sums_rows, WaterfillCodes};
-
-/// Largest number of bits one component may take.
-pub const MAX_COMPONENT_BITS: u8 = 8;
 
 /// Greedy integer water-filling of `total_bits` over components with `variances`.
 pub fn allocate(variances: &[f32], total_bits: usize) -> Vec<u8> {
@@ -74,17 +74,6 @@ pub fn coded_widths(bits: &[u8]) -> Vec<u32> {
     bits.iter().filter(|&&b| b > 0).map(|&b| b as u32).collect()
 }
 
-/// Per-bit-width reconstruction gain: 1 for MSE; `1 / (1 - D(b))` for inner products,
-/// which undoes the Lloyd-Max shrinkage `E[x x_hat] = (1 - D) E[x^2]` so that
-/// `E[<x_hat, x>] = E[|x|^2]` component by component.
-pub fn ip_gain(bits: u8) -> f32 {
-    if bits == 0 {
-        1.0
-    } else {
-        (1.0 / (1.0 - gaussian_distortion(bits))) as f32
-    }
-}
-
 /// A water-filled block body, codes unpacked (the wire form packs them).
 #[derive(Debug, Clone, PartialEq)]
 pub struct WaterfillBody {
@@ -96,11 +85,6 @@ pub struct WaterfillBody {
     pub codes: Vec<u16>,
     /// `(position i * d_eff + j, value)` of exactly stored scaled coefficients, ascending.
     pub outliers: Vec<(u32, f16)>,
-}
-
-/// The Gaussian codebook of `bits` in 1..=8.
-pub(crate) fn book(bits: u8) -> &'static Codebook {
-    lloyd_max::gaussian(bits).expect("1..=8 bits")
 }
 
 /// The stored scale of a component of variance `var`: its square root, bounded, rounded to
@@ -165,12 +149,11 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::codec::{decode_layer, encode_layer, encode_layer_with, EncodedLayer};
+    use crate::codec::{decode_layer, encode_layer_with, EncodedLayer};
     use crate::params::{InputDtype, Metric, PcaMethod};
     use crate::stages::rel_err;
     use crate::test_data::{
-        assert_corruption_is_rejected, assert_resealed_corruption_is_safe, kv_like, roundtrip,
-        waterfill,
+        assert_corruptions_are_safe, edited, encode_f32, kv_like, params, roundtrip, waterfill,
     };
 
     #[test]
@@ -230,11 +213,7 @@ mod tests {
             assert_eq!(s.d_eff, d);
         }
         // Same budget of code bits per vector (2 * 64): water-filling wins on a decaying spectrum.
-        let uniform = CodecParams {
-            bit_width: 2,
-            k: 0,
-            ..Default::default()
-        };
+        let uniform = params(|p| (p.bit_width, p.k) = (2, 0));
         let (yu, eu) = roundtrip(&x, n, d, &uniform);
         let (yw, ew) = roundtrip(&x, n, d, &waterfill(2.0));
         assert!(ew.nbytes() <= eu.nbytes());
@@ -250,12 +229,10 @@ mod tests {
     fn waterfill_bytes_are_accounted_exactly() {
         let (n, d) = (300, 16);
         let x = kv_like(n, d, 14);
-        let p = CodecParams {
-            outlier_threshold: f32::INFINITY,
-            pca_method: PcaMethod::None,
-            ..waterfill(1.5)
-        };
-        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let p = edited(&waterfill(1.5), |p| {
+            (p.outlier_threshold, p.pca_method) = (f32::INFINITY, PcaMethod::None)
+        });
+        let enc = encode_f32(&x, n, d, &p);
         // header + block header + mean (16 f16) + sigma (16 f16) + 16 nibbles + codes + crc;
         // 1.5 bits/value * 16 = 24 bits per vector.
         let want = crate::format::HEADER_LEN + 20 + 32 + 32 + 8 + (300 * 24usize).div_ceil(8) + 4;
@@ -298,19 +275,13 @@ mod tests {
         let x = kv_like(n, d, 17);
         let fit = crate::pca::fit_exact(&x, n, d, None, 1.0, d).unwrap();
         let basis = crate::basis::ExternalBasis::new(fit.basis, d, d).unwrap();
-        let p = CodecParams {
-            block_size: 128,
-            outlier_threshold: 2.5,
-            ..waterfill(1.7)
-        };
-        let identity = CodecParams {
-            pca_method: PcaMethod::None,
-            ..p.clone()
-        };
+        let p = edited(&waterfill(1.7), |p| {
+            (p.block_size, p.outlier_threshold) = (128, 2.5)
+        });
+        let identity = edited(&p, |p| p.pca_method = PcaMethod::None);
         for (ext, p) in [(None, &p), (Some(&basis), &p), (None, &identity)] {
             let enc = encode_layer_with(&x, n, d, None, p, InputDtype::F32, ext).unwrap();
-            assert_corruption_is_rejected(enc.as_bytes(), 3);
-            assert_resealed_corruption_is_safe(enc.as_bytes(), ext, 4);
+            assert_corruptions_are_safe(enc.as_bytes(), ext, 3);
         }
     }
 
@@ -324,7 +295,7 @@ mod tests {
             let x = kv_like(n, d, seed);
             let pca_method = if none { PcaMethod::None } else { PcaMethod::Exact };
             let p = CodecParams { block_size: 32, seed, pca_method, ..waterfill(bpv) };
-            let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+            let enc = encode_f32(&x, n, d, &p);
             let y = decode_layer(&enc).unwrap();
             let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
             prop_assert_eq!(decode_layer(&back).unwrap(), y.clone());

@@ -3,8 +3,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::stages::rel_err;
 use crate::test_data::{
-    assert_corruption_is_rejected, assert_resealed_corruption_is_safe, kv_like, roundtrip,
-    total_outliers,
+    assert_corruptions_are_safe, encode_f32, kv_like, params, roundtrip, total_outliers,
 };
 
 #[test]
@@ -12,8 +11,8 @@ fn deterministic_for_fixed_seed_and_seed_matters() {
     let (n, d) = (300, 32);
     let x = kv_like(n, d, 3);
     let p = CodecParams::default();
-    let a = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
-    let b = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+    let a = encode_f32(&x, n, d, &p);
+    let b = encode_f32(&x, n, d, &p);
     assert_eq!(a.as_bytes(), b.as_bytes());
     let c = encode_layer(
         &x,
@@ -31,11 +30,7 @@ fn deterministic_for_fixed_seed_and_seed_matters() {
 fn from_bytes_reproduces_decode_and_stats() {
     let (n, d) = (1100, 16);
     let x = kv_like(n, d, 4);
-    let p = CodecParams {
-        block_size: 256,
-        share_basis: true,
-        ..Default::default()
-    };
+    let p = params(|p| (p.block_size, p.share_basis) = (256, true));
     let (y, enc) = roundtrip(&x, n, d, &p);
     let again = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
     assert_eq!(again, enc);
@@ -49,11 +44,8 @@ fn shared_basis_is_smaller_than_per_block_bases() {
     let (n, d) = (2048, 64);
     let x = kv_like(n, d, 5);
     let per_block = encode_layer(&x, n, d, None, &CodecParams::default(), InputDtype::F32).unwrap();
-    let shared_p = CodecParams {
-        share_basis: true,
-        ..Default::default()
-    };
-    let shared = encode_layer(&x, n, d, None, &shared_p, InputDtype::F32).unwrap();
+    let shared_p = params(|p| p.share_basis = true);
+    let shared = encode_f32(&x, n, d, &shared_p);
     // Three fewer D x D fp16 bases and means, minus the shared section's d_eff field;
     // codes, labels and scales have the same sizes, outlier counts may differ.
     let diff = per_block.nbytes() as isize - shared.nbytes() as isize;
@@ -67,16 +59,7 @@ fn constant_and_tiny_inputs() {
     let (y, _) = roundtrip(&x, 10, 8, &CodecParams::default());
     assert!(rel_err(&x, &y) < 1e-3);
     let x = vec![0.25f32, -1.0, 3.0];
-    let (y, _) = roundtrip(
-        &x,
-        1,
-        3,
-        &CodecParams {
-            k: 1,
-            block_size: 1,
-            ..Default::default()
-        },
-    );
+    let (y, _) = roundtrip(&x, 1, 3, &params(|p| (p.k, p.block_size) = (1, 1)));
     assert!(rel_err(&x, &y) < 1e-2);
 }
 
@@ -107,18 +90,22 @@ fn decode_into_matches_decode_and_checks_the_length() {
     let (n, d) = (700, 16);
     let x = kv_like(n, d, 11);
     for p in [
-        CodecParams {
-            block_size: 256,
-            ..Default::default()
-        },
-        CodecParams {
-            block_size: 256,
-            allocation: crate::params::Allocation::Waterfill,
-            pca_method: crate::params::PcaMethod::None,
-            k: 0,
-            bits_per_value: 2.5,
-            ..Default::default()
-        },
+        params(|p| p.block_size = 256),
+        params(|p| {
+            (
+                p.block_size,
+                p.allocation,
+                p.pca_method,
+                p.k,
+                p.bits_per_value,
+            ) = (
+                256,
+                crate::params::Allocation::Waterfill,
+                crate::params::PcaMethod::None,
+                0,
+                2.5,
+            )
+        }),
     ] {
         let (y, enc) = roundtrip(&x, n, d, &p);
         let mut out = vec![f32::NAN; n * d];
@@ -133,13 +120,9 @@ fn decode_into_matches_decode_and_checks_the_length() {
 fn corrupt_bytes_never_panic() {
     let (n, d) = (300, 16);
     let x = kv_like(n, d, 10);
-    let p = CodecParams {
-        block_size: 128,
-        ..Default::default()
-    };
-    let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
-    assert_corruption_is_rejected(enc.as_bytes(), 1);
-    assert_resealed_corruption_is_safe(enc.as_bytes(), None, 2);
+    let p = params(|p| p.block_size = 128);
+    let enc = encode_f32(&x, n, d, &p);
+    assert_corruptions_are_safe(enc.as_bytes(), None, 1);
 }
 
 proptest! {
@@ -151,7 +134,7 @@ proptest! {
     ) {
         let x = kv_like(n, d, seed);
         let p = CodecParams { bit_width: bits, k: k.min(16), block_size: 32, seed, share_basis: share, ..Default::default() };
-        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let enc = encode_f32(&x, n, d, &p);
         let y = decode_layer(&enc).unwrap();
         let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
         prop_assert_eq!(decode_layer(&back).unwrap(), y.clone());
@@ -166,19 +149,10 @@ proptest! {
 fn zero_weight_blocks_and_far_out_tokens_encode_and_decode() {
     // Found by fuzzing: a block whose weights are all zero, and a zero-weight token far
     // outside the weighted scale, must still round-trip through the wire format.
-    let p = CodecParams {
-        block_size: 1,
-        k: 0,
-        ..Default::default()
-    };
+    let p = params(|p| (p.block_size, p.k) = (1, 0));
     let enc = encode_layer(&[1.0, 2.0], 2, 1, Some(&[0.0, 1.0]), &p, InputDtype::F32).unwrap();
     EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();
-    let p = CodecParams {
-        k: 0,
-        allocation: Allocation::Waterfill,
-        bits_per_value: 4.0,
-        ..Default::default()
-    };
+    let p = params(|p| (p.k, p.allocation, p.bits_per_value) = (0, Allocation::Waterfill, 4.0));
     let x = [1000.0, -1000.0, 500.0, 0.0, 0.001, 0.002, -0.001, 0.0];
     let enc = encode_layer(&x, 2, 4, Some(&[0.0, 1.0]), &p, InputDtype::F32).unwrap();
     let back = EncodedLayer::from_bytes(enc.as_bytes().to_vec()).unwrap();

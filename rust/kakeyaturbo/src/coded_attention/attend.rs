@@ -15,10 +15,14 @@
 //! group's from its own head's scale, exact keys and values; the coded value sums of a group
 //! leave the joint coordinates through its head's `[H*D, D]` slice of the value frame.
 
-use super::{
-    axpy, check_frames, check_len, dot, logits_with, times_frame, value_sums, with_avx_fma,
-    CodedStreams, KeyInputs, Norms, Precision, PreparedKeys, RopeAngles,
-};
+use super::api::{logits_with, value_sums};
+use super::checks::{check_frames, check_len};
+use super::cpu::with_avx_fma;
+use super::frame::{axpy, dot, times_frame};
+use super::inputs::{KeyInputs, Precision, RopeAngles};
+use super::norms::Norms;
+use super::prepared::PreparedKeys;
+use super::streams::CodedStreams;
 use crate::error::{Error, Result};
 use crate::{int8_rows, parallel};
 use std::borrow::Cow;
@@ -141,7 +145,8 @@ pub struct Attend<'a> {
     /// `[S, R, D]`.
     pub queries: &'a [f32],
     pub rows: usize,
-    /// Key frames `[heads, D, D]` and `heads` (None: identity), as for [`key_logits`].
+    /// Key frames `[heads, D, D]` and `heads` (None: identity), as for
+    /// [`key_logits`](super::key_logits).
     pub key_frames: Option<(&'a [f32], usize)>,
     pub rotation: Option<RopeAngles<'a>>,
     pub key_norms: Option<Norms<'a>>,

@@ -16,7 +16,7 @@
 //! Coordinates pair as `(2p, 2p + 1)`, the layout `vdpbf16ps` reads: a pair is multiplied
 //! when either coordinate varies within the block; the other pairs' residuals are zero.
 
-use super::axpy;
+use super::frame::axpy;
 use std::cell::RefCell;
 
 thread_local! {

@@ -10,7 +10,8 @@ use std::borrow::Cow;
 
 use half::f16;
 
-use super::CodedStreams;
+use super::checks::check_len;
+use super::streams::CodedStreams;
 use crate::error::{Error, Result};
 
 /// Log steps between a stream's smallest and largest norm (codes 1..=255).
@@ -31,7 +32,7 @@ impl Norms<'_> {
     pub fn check(&self, coded: &CodedStreams<'_>) -> Result<()> {
         let (s_n, t_n) = (coded.streams(), coded.tokens());
         match self {
-            Norms::Values(v) => super::check_len("norms", v.len(), &[s_n, t_n], "streams x tokens"),
+            Norms::Values(v) => check_len("norms", v.len(), &[s_n, t_n], "streams x tokens"),
             Norms::Codes(blocks) => {
                 if blocks.len() != coded.blocks() {
                     return Err(Error::Shape(format!(
@@ -43,7 +44,7 @@ impl Norms<'_> {
                 for (b, (codes, bounds)) in blocks.iter().enumerate() {
                     let n = coded.offsets[b + 1] - coded.offsets[b];
                     let what = format!("norm codes of block {b}");
-                    super::check_len(&what, codes.len(), &[s_n, n], "streams x tokens")?;
+                    check_len(&what, codes.len(), &[s_n, n], "streams x tokens")?;
                     check_bounds(&what, bounds, s_n)?;
                 }
                 Ok(())
@@ -74,7 +75,7 @@ impl Norms<'_> {
 /// A block's bounds must be `[streams, 2]` positive finite float16 (hostile bounds would
 /// decode to NaN or infinity).
 fn check_bounds(what: &str, bounds: &[f16], streams: usize) -> Result<()> {
-    super::check_len(what, bounds.len(), &[streams, 2], "streams x 2 bounds")?;
+    check_len(what, bounds.len(), &[streams, 2], "streams x 2 bounds")?;
     match bounds.iter().find(|v| !(v.is_finite() && v.to_f32() > 0.0)) {
         Some(v) => Err(Error::Format(format!(
             "{what}: bound {v} is not a positive finite float16"

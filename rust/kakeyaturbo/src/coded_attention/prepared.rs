@@ -4,7 +4,7 @@
 //! product, RoPE) is most of a layer's attention. With torch on one thread the codec's other
 //! worker is idle while the model runs the layers' projections and MLPs, so the next layer's
 //! keys can be made there ([`PreparedKeys::prepare`]) and its attention only dots them with
-//! the queries ([`super::logits_with`]).
+//! the queries ([`logits_with`](super::api::logits_with)).
 //!
 //! Each block has a state: to do, being prepared, prepared, or taken by attention. Preparing
 //! walks the blocks from the last; attention walks from the first (rayon's first split) and
@@ -16,7 +16,11 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use super::{run_prepare_block, CodedStreams, Coords, Decoded, KeyInputs};
+use super::cpu::with_avx_fma;
+use super::inputs::KeyInputs;
+use super::kernels::{block_keys, dots_rows, length, Coords, KeyArgs, Rows};
+use super::scratch::Decoded;
+use super::streams::CodedStreams;
 use crate::error::{Error, Result};
 
 const TODO: u8 = 0;
@@ -169,4 +173,51 @@ impl PreparedKeys {
             }
         }
     }
+}
+
+/// A block's [`BlockKeys`]: its keys as [`block_logits`](super::kernels::block_logits) makes them,
+/// and every token's [`length`] for a token-norm scale (none from levels: their values are not
+/// decoded).
+#[inline(always)]
+pub(super) fn prepare_block<const FMA: bool>(args: KeyArgs<'_>, out: &mut BlockKeys) {
+    let (y, d, m, product, rot) = args;
+    if !block_keys::<FMA>(y, d, m, product, rot, &mut out.keys) {
+        out.keys.clear();
+        out.keys.extend_from_slice(y.values());
+    }
+    out.keys.truncate(y.len());
+    out.lengths = match y {
+        Coords::Values(y) => y.chunks_exact(d).map(length::<FMA>).collect(),
+        Coords::Levels(..) => Vec::new(), // no token norms read them
+    };
+}
+
+/// `(prepared keys, head dim, norms, query rows)`.
+pub(super) type PreparedArgs<'a> = (&'a BlockKeys, usize, Option<&'a [f32]>, Rows<'a>);
+
+/// [`block_logits`](super::kernels::block_logits) of a block whose keys were prepared: the same
+/// dots and scales.
+#[inline(always)]
+pub(super) fn prepared_logits<const FMA: bool>(args: PreparedArgs<'_>, out: &mut [f32]) {
+    let (bk, d, norms, (q, chunks)) = args;
+    let (n, g) = (bk.tokens(d), chunks.len());
+    dots_rows::<FMA>(q, chunks, &bk.keys, out);
+    if let Some(nm) = norms {
+        for (t, &len) in bk.lengths.iter().enumerate() {
+            let scale = nm[t] / len;
+            for j in 0..g {
+                out[j * n + t] *= scale;
+            }
+        }
+    }
+}
+
+with_avx_fma! {
+    /// [`prepare_block`], built with AVX + FMA where this CPU has them.
+    pub(super) fn run_prepare_block(args: KeyArgs<'_>, out: &mut BlockKeys) => prepare_block
+}
+
+with_avx_fma! {
+    /// [`prepared_logits`], built with AVX + FMA where this CPU has them.
+    pub(super) fn run_prepared_logits(args: PreparedArgs<'_>, out: &mut [f32]) => prepared_logits
 }

@@ -1,8 +1,10 @@
 //! Keys made ahead ([`PreparedKeys`]) give the key logits bit for bit, whichever thread made
 //! which block.
 
+use super::api::logits_with;
 use super::tests::{coded_at, normals, rotation_table};
 use super::*;
+use crate::codec::EncodedLayer;
 
 #[test]
 fn prepared_keys_give_the_same_logits_bit_for_bit() {

@@ -1,8 +1,12 @@
+use super::cpu::*;
+use super::frame::*;
+use super::inputs::*;
+use super::kernels::*;
 use super::*;
-use crate::codec::{decode_layer, encode_layer};
-use crate::params::{CodecParams, InputDtype, PcaMethod};
-use crate::rng::SplitMix64;
-use crate::test_data::{kv_like, waterfill};
+use crate::codec::{decode_layer, decode_layer_mapped, EncodedLayer};
+use crate::error::Error;
+use crate::params::PcaMethod;
+use crate::test_data::{edited, encode_f32, kv_like, normal_samples, waterfill};
 use half::f16;
 
 /// `streams` streams of blocks `lens` long (`d` wide), coded frame-free as the pipeline codes
@@ -18,19 +22,13 @@ pub(super) fn coded_at(
     d: usize,
     bits: f32,
 ) -> (Vec<EncodedLayer>, Vec<f32>) {
-    let p = CodecParams {
-        pca_method: PcaMethod::None,
-        ..waterfill(bits)
-    };
+    let p = edited(&waterfill(bits), |p| p.pca_method = PcaMethod::None);
     let (mut encs, mut dec) = (Vec::new(), Vec::new());
     for s in 0..streams {
         for (b, &n) in lens.iter().enumerate() {
             let x = kv_like(n, d, (s * 31 + b) as u64);
-            let pb = CodecParams {
-                block_size: n,
-                ..p.clone()
-            };
-            encs.push(encode_layer(&x, n, d, None, &pb, InputDtype::F32).unwrap());
+            let pb = edited(&p, |p| p.block_size = n);
+            encs.push(encode_f32(&x, n, d, &pb));
         }
     }
     for s in 0..streams {
@@ -42,8 +40,7 @@ pub(super) fn coded_at(
 }
 
 pub(super) fn normals(n: usize, seed: u64) -> Vec<f32> {
-    let mut g = SplitMix64::new(seed, 3);
-    (0..n).map(|_| g.normal() as f32).collect()
+    normal_samples(n, seed, 3)
 }
 
 /// The largest `|x|`.
@@ -274,15 +271,14 @@ fn fused_and_separate_multiply_adds_agree() {
     let norms = [1.5f32; 7];
     let q = normals(g * d, 8);
     let chunks: Vec<Vec<usize>> = q.chunks_exact(d).map(nonzero_chunks).collect();
-    let args = (
+    let keys = (
         Coords::Values(&y[..]),
         d,
         Some(&m[..]),
         Product::F32,
         Some((&rot[..], 20, 1)),
-        Some(&norms[..]),
-        (&q[..], &chunks[..]),
     );
+    let args = (keys, Some(&norms[..]), (&q[..], &chunks[..]));
     let (mut a, mut b) = (vec![0.0f32; g * 7], vec![0.0f32; g * 7]);
     run_block_logits(args, &mut a);
     block_logits::<false>(args, &mut b);
@@ -564,17 +560,30 @@ fn frame_logits(precision: Precision) -> Vec<f32> {
     key_logits(&c, Some((&frames, 2)), None, None, &q, g, precision).unwrap()
 }
 
+/// The float32 [`frame_logits`] and their largest gap to those in `precision`, where this CPU
+/// runs it (`multiplied`); None where it runs float32, after checking it gives the same.
+fn precision_gap(
+    precision: Precision,
+    multiplied: bool,
+    fallback: &str,
+) -> Option<(Vec<f32>, f32)> {
+    let (exact, other) = (frame_logits(Precision::F32), frame_logits(precision));
+    if !multiplied {
+        assert_eq!(exact, other, "{fallback}");
+        return None;
+    }
+    let gap = largest_gap(&exact, &other);
+    Some((exact, gap))
+}
+
 #[test]
 fn bf16_precision_keeps_logits_within_bfloat16_rounding() {
-    let (exact, rounded) = (frame_logits(Precision::F32), frame_logits(Precision::Bf16));
-    if !bf16_products(FRAME_D) {
-        assert_eq!(
-            exact, rounded,
-            "without AVX512-BF16 the bfloat16 precision is float32"
-        );
+    let fallback = "without AVX512-BF16 the bfloat16 precision is float32";
+    let Some((exact, worst)) = precision_gap(Precision::Bf16, bf16_products(FRAME_D), fallback)
+    else {
         return;
-    }
-    let (scale, worst) = (largest(&exact), largest_gap(&exact, &rounded));
+    };
+    let scale = largest(&exact);
     assert!(worst > 0.0 && worst <= 2e-2 * scale, "{worst} of {scale}");
 }
 
@@ -686,12 +695,10 @@ fn int16_levels_decoded_from_codes_are_their_grids_reference_bit_for_bit() {
             xt[d - 2] = 0.25 + 0.01 * faint[2 * t];
             xt[d - 1] = 0.01 * faint[2 * t + 1] + if t == 3 { 0.2 } else { 0.0 };
         }
-        let p = CodecParams {
-            pca_method: PcaMethod::None,
-            block_size: n,
-            ..waterfill(2.5)
-        };
-        let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+        let p = edited(&waterfill(2.5), |p| {
+            (p.pca_method, p.block_size) = (PcaMethod::None, n)
+        });
+        let enc = encode_f32(&x, n, d, &p);
         let y = decode_layer(&enc).unwrap();
         let mut levels = vec![0.0f32; n * d];
         let grid = decode_layer_mapped(&enc, &mut levels, int16::Grid::new, int16::Grid::level)
@@ -739,12 +746,9 @@ fn int16_levels_decoded_from_codes_are_their_grids_reference_bit_for_bit() {
 fn int16_levels_leave_blocks_with_a_basis_to_their_values() {
     let (n, d) = (64, 64);
     let x = kv_like(n, d, 3);
-    let p = CodecParams {
-        block_size: n,
-        ..waterfill(2.5)
-    };
+    let p = edited(&waterfill(2.5), |p| p.block_size = n);
     assert_ne!(p.pca_method, PcaMethod::None);
-    let enc = encode_layer(&x, n, d, None, &p, InputDtype::F32).unwrap();
+    let enc = encode_f32(&x, n, d, &p);
     let mut out = vec![7.0f32; n * d];
     let grid = decode_layer_mapped(&enc, &mut out, int16::Grid::new, int16::Grid::level).unwrap();
     assert!(grid.is_none());
@@ -757,15 +761,12 @@ fn int16_levels_leave_blocks_with_a_basis_to_their_values() {
 
 #[test]
 fn int16_precision_keeps_logits_far_closer_than_bfloat16() {
-    let (exact, ints) = (frame_logits(Precision::F32), frame_logits(Precision::I16));
-    if !int16_products(FRAME_D) {
-        assert_eq!(
-            exact, ints,
-            "without AVX2 or AVX512-VNNI the int16 precision is float32"
-        );
+    let fallback = "without AVX2 or AVX512-VNNI the int16 precision is float32";
+    let Some((exact, w16)) = precision_gap(Precision::I16, int16_products(FRAME_D), fallback)
+    else {
         return;
-    }
-    let (scale, w16) = (largest(&exact), largest_gap(&exact, &ints));
+    };
+    let scale = largest(&exact);
     assert!(w16 > 0.0 && w16 <= 2e-3 * scale, "{w16} of {scale}");
     if bf16_products(FRAME_D) {
         let wbf = largest_gap(&exact, &frame_logits(Precision::Bf16));
@@ -1306,7 +1307,8 @@ fn attend_across_heads_matches_each_heads_softmax_over_decoded_keys_and_values()
         }
     }
     bias[3 * l_n..][..l_n].fill(f32::NEG_INFINITY); // head 1's second row, masked whole
-                                                    // No token norms across heads: the reference's norm over |y| is then 1.
+                                                    // No token norms across heads: the reference's
+                                                    // norm over |y| is then 1.
     let unit: Vec<f32> = yk
         .chunks_exact(w)
         .map(|y| y.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt() as f32)

@@ -9,10 +9,11 @@
 use half::{bf16, f16};
 
 use super::codes::WireCode;
-use super::{
+use super::layout::{
     check_decode_size, BLOCK_HEADER_LEN, CRC_LEN, FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS,
-    HEADER_LEN, KNOWN_FLAGS, MAGIC, MAX_TOKENS, READABLE_VERSIONS,
+    HEADER_LEN, KNOWN_FLAGS, MAGIC, MAX_TOKENS,
 };
+use super::version::READABLE_VERSIONS;
 use crate::bitpack::{packed_len, unpack};
 use crate::error::{Error, Result};
 use crate::kmeans::{label_bits, SkeletonCodes};
@@ -178,8 +179,8 @@ pub fn read_layer(bytes: &[u8]) -> Result<ParsedLayer<'_>> {
 
 /// [`read_layer`] of the bytes of an [`crate::EncodedLayer`], which verified their checksum
 /// when it wrapped them (or wrote it) and holds them immutable: every field is checked as
-/// there, but the checksum is not computed again on each decode (0.7% of an 8k decode step's
-/// samples, `docs/speed.md`, 47th session).
+/// there, but the checksum is not computed again on each decode (a measurable share of a
+/// decode step, `docs/performance.md`).
 pub(crate) fn read_held_layer(bytes: &[u8]) -> Result<ParsedLayer<'_>> {
     read(bytes, false)
 }

@@ -3,9 +3,10 @@
 use half::{bf16, f16};
 
 use super::codes::WireCode;
-use super::{FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, FORMAT_VERSION, MAGIC};
+use super::layout::{FLAG_EXTERNAL_BASIS, FLAG_SHARED_BASIS, MAGIC};
+use super::version::FORMAT_VERSION;
 use crate::bitpack::{pack_into, BitWriter};
-use crate::codec::{BlockBody, EncodedBlock};
+use crate::codec::block::{BlockBody, EncodedBlock};
 use crate::kmeans::label_bits;
 use crate::params::{CodecParams, InputDtype, SkeletonDtype};
 use crate::pca::SharedBasis;
@@ -51,8 +52,9 @@ pub fn write_layer(
     external: Option<(usize, u64)>,
     blocks: &[EncodedBlock],
 ) -> Vec<u8> {
-    let mut out =
-        Vec::with_capacity(super::HEADER_LEN + blocks.iter().map(|b| b.n * 8).sum::<usize>());
+    let mut out = Vec::with_capacity(
+        super::layout::HEADER_LEN + blocks.iter().map(|b| b.n * 8).sum::<usize>(),
+    );
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     let mut flags: u16 = 0;
@@ -86,7 +88,7 @@ pub fn write_layer(
     out.push(p.allocation.code());
     out.extend_from_slice(&[0u8; 3]);
     out.extend_from_slice(&p.bits_per_value.to_le_bytes());
-    debug_assert_eq!(out.len(), super::HEADER_LEN);
+    debug_assert_eq!(out.len(), super::layout::HEADER_LEN);
     if let Some(c) = &p.centroids {
         for v in c {
             out.extend_from_slice(&v.to_le_bytes());

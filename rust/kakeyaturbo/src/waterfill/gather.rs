@@ -12,7 +12,7 @@
 //!
 //! Against the lane tables of `decode.rs` (a table of every joint code built per block, then
 //! about 28 lookups per 64-value vector at 2.5 bits) it decodes SmolLM2's coded keys and
-//! values about 1.5x as fast (`docs/speed.md`).
+//! values about 1.5x as fast (`docs/performance.md`).
 //!
 //! Nothing is read out of bounds: a group of vectors goes through here only when its last
 //! gather ends within the code stream (the caller decodes the rest), and bit positions fit

@@ -3,9 +3,9 @@
 //! writing the decoded block anywhere.
 //!
 //! Decoding first (`gather.rs`) writes 8 x 8 tiles of values row-major, with a branch on each
-//! component's kind per tile and a transpose, and the sums then read them back; in a decode
-//! step at 8k the value blocks' decode took about 2.3x the sums that followed it
-//! (`docs/speed.md`, 52nd session). Here the decoder's gathers run first, for every group of 8
+//! component's kind per tile and a transpose, and the sums then read them back: in a decode
+//! step that decode cost more than twice the sums that followed it (`docs/performance.md`). Here
+//! the decoder's gathers run first, for every group of 8
 //! vectors, and their words are kept (shifted to their first bit); then each component, one
 //! after another (its kind fixed for the whole block: no branch per tile), takes its codes
 //! from its word by a shift and a mask, turns them into values in registers (the decoder's
