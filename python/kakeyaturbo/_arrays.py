@@ -15,6 +15,8 @@ from typing import Any, Optional
 import numpy as np
 
 _NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+_F16_MAX = float(np.finfo(np.float16).max)
+_MISALIGNED = "not contiguous or is misaligned"  # rust-numpy's slice error, which names no arg
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,14 @@ def bf16_bits(t: Any) -> np.ndarray:
 
 
 def from_core(values: np.ndarray, dtype: str, origin: Optional[Origin], out: Optional[str]) -> Any:
-    """Decoded float32 -> the requested framework ('numpy' or 'torch'), dtype and device."""
+    """Decoded float32 -> the requested framework ('numpy' or 'torch'), dtype and device.
+    float16 saturates at +-65504: decoding stays within the codec's error of honest input near
+    float16's limit, and a blob's stored scales (validated, finite) cannot make it infinite.
+    bfloat16 needs no bound: decoded values stay far inside float32's range, which it shares."""
+    if dtype == "float16":
+        # In place where the core's fresh output allows: one pass, no second buffer.
+        out_arr = values if values.flags.writeable else None
+        values = np.clip(values, -_F16_MAX, _F16_MAX, out=out_arr)
     framework = out or (origin.framework if origin else None)
     if framework is None:
         framework = "torch" if dtype == "bfloat16" and _torch() is not None else "numpy"
@@ -105,3 +114,48 @@ def from_core(values: np.ndarray, dtype: str, origin: Optional[Origin], out: Opt
     t = torch.from_numpy(values).to(getattr(torch, dtype))
     device = origin.device if origin and origin.framework == "torch" else None
     return t.to(device) if device and device != "cpu" else t
+
+
+def aligned_copies(args: dict) -> Optional[dict]:
+    """``args`` with every numpy array misaligned in memory (inside lists and tuples too)
+    replaced by an aligned C-contiguous copy, or None where there is none."""
+    fixed = {k: _aligned(v) for k, v in args.items()}
+    return fixed if any(fixed[k] is not v for k, v in args.items()) else None
+
+
+def _aligned(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return v if v.flags.aligned else np.require(v, requirements=["C", "A"])
+    if isinstance(v, (list, tuple)):
+        items = [_aligned(i) for i in v]
+        if all(a is b for a, b in zip(items, v)):
+            return v
+        return items if isinstance(v, list) else tuple(items)
+    return v
+
+
+def count_arg(v: Any, name: str) -> Any:
+    # PyO3 reads True as 1: a bool here is a mistake, not a count.
+    if isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int, got bool {v}")
+    return v
+
+
+def call_core(fn: Any, keep: tuple = (), **args: Any) -> Any:
+    """``fn(**args)``; where the core cannot read an array misaligned in memory (its
+    C-contiguous check passes, its slice view refuses, naming nothing), again with aligned
+    copies, except of ``keep``, which must be the caller's own array (a TypeError names it)."""
+    try:
+        return fn(**args)
+    except TypeError as e:
+        fixed = aligned_copies(args) if _MISALIGNED in str(e) else None
+        if fixed is None:
+            raise
+    for name in keep:
+        if fixed[name] is not args[name]:
+            raise TypeError(
+                f"{name}: the array is misaligned in memory; prepared keys read it in place, so"
+                f" pass one aligned copy (np.require({name}, requirements='CA')) to both"
+                " prepare_keys and coded_attend"
+            ) from None
+    return fn(**fixed)

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from . import _core
-from ._arrays import Origin, from_core, to_core
+from ._arrays import Origin, call_core, count_arg, from_core, to_core
 from ._core import Basis, CodecParams
 from .recipes import default_recipe
 
@@ -146,7 +146,7 @@ def encode_layer(
             "weights",
             1,
         )
-        w = np.ascontiguousarray(w, dtype=np.float32)
+        w = np.require(w, np.float32, ["C", "A"])  # aligned too: the core reads a slice of it
     raw = _core.encode_layer(arr, _params(params), weights=w, bf16_bits=bf16, basis=_basis(basis))
     return EncodedLayer(raw, origin)
 
@@ -156,8 +156,7 @@ def decode_layer(
 ) -> Any:
     """Decodes to the input's shape, dtype, framework and device. Layers read with
     ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise."""
-    if not isinstance(enc, EncodedLayer):
-        raise TypeError(f"enc: expected EncodedLayer, got {type(enc).__name__}")
+    _check_layer(enc, "enc")
     return from_core(_core.decode_layer(enc._raw, basis=_basis(basis)), enc.dtype, enc._origin, out)
 
 
@@ -172,6 +171,7 @@ def encode_block(x: Any, params: Optional[CodecParams] = None, weights: Any = No
 
 def decode_block(enc: EncodedLayer, out: Optional[str] = None) -> Any:
     """Decodes an encoding made by :func:`encode_block`."""
+    _check_layer(enc, "enc")
     if len(enc.stats) != 1:
         raise ValueError(f"enc: holds {len(enc.stats)} blocks, not one; use decode_layer")
     return decode_layer(enc, out)
@@ -204,23 +204,52 @@ def core_layers(encs: Sequence[EncodedLayer]) -> CoreLayers:
     return CoreLayers(_raws(encs))
 
 
-def _raws(encs: Sequence[EncodedLayer]) -> Sequence:
+def _type_name(x: Any) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_layer(e: Any, name: str) -> None:
+    if isinstance(e, EncodedLayer):
+        return
+    hint = ""
+    if isinstance(e, _core.EncodedLayer):
+        hint = " (the core's own object: wrap it as kakeyaturbo.EncodedLayer(raw))"
+    raise TypeError(f"{name}: expected kakeyaturbo.EncodedLayer, got {_type_name(e)}{hint}")
+
+
+def _layers(encs: Any, name: str) -> list:
+    """``encs`` as a list of checked layers, an iterator read once; a TypeError names what
+    is not one."""
+    if isinstance(encs, (EncodedLayer, _core.EncodedLayer)):
+        raise TypeError(f"{name}: expected a sequence of EncodedLayer, got one (pass [layer])")
+    if not isinstance(encs, list):
+        try:
+            encs = list(encs)
+        except TypeError:
+            raise TypeError(
+                f"{name}: expected a sequence of EncodedLayer, got {_type_name(encs)}"
+            ) from None
+    for i, e in enumerate(encs):
+        if not isinstance(e, EncodedLayer):
+            _check_layer(e, f"{name}[{i}]")
+    return encs
+
+
+def _raws(encs: Any, name: str = "encs") -> Sequence:
     """The core layers of ``encs``, or a TypeError naming the first that is not one."""
     if isinstance(encs, CoreLayers):
         return encs
-    for i, e in enumerate(encs):
-        if not isinstance(e, EncodedLayer):
-            raise TypeError(f"encs[{i}]: expected EncodedLayer, got {type(e).__name__}")
-    return [e._raw for e in encs]
+    return [e._raw for e in _layers(encs, name)]
 
 
 def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases: Any = None) -> Any:
     """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel
     (``bases`` as in :func:`encode_batch`, for layers encoded with one)."""
-    encs = list(encs)
+    encs = _layers(encs, "encs")
     if not encs:
         raise ValueError("encs: the list is empty")
-    raws = _raws(encs)
+    raws = [e._raw for e in encs]
     dtypes = {e.dtype for e in encs}
     if len(dtypes) != 1:
         raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
@@ -282,15 +311,16 @@ def coded_key_logits(
     rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
     bfloat16 natively. Both multiply faster than float32 there (twice its rate with AVX-512)
     and run the float32 product elsewhere."""
-    return _core.coded_key_logits(
-        _raws(encs),
-        streams,
-        queries,
-        frames,
-        rotation,
-        norms,
+    return call_core(
+        _core.coded_key_logits,
+        encs=_raws(encs),
+        streams=count_arg(streams, "streams"),
+        queries=queries,
+        frames=frames,
+        rotation=rotation,
+        norms=norms,
         precision=precision,
-        rotation_repeats=rotation_repeats,
+        rotation_repeats=count_arg(rotation_repeats, "rotation_repeats"),
     )
 
 
@@ -318,7 +348,13 @@ def coded_value_sums(
     coded values (laid out as for :func:`coded_key_logits`), in the coding frame, without a
     decoded copy. ``weights`` ``[streams, g, tokens]``; ``norms`` ``[streams, tokens]`` (None:
     no scale). float32, C-contiguous."""
-    return _core.coded_value_sums(_raws(encs), streams, weights, norms)
+    return call_core(
+        _core.coded_value_sums,
+        encs=_raws(encs),
+        streams=count_arg(streams, "streams"),
+        weights=weights,
+        norms=norms,
+    )
 
 
 def decode_norm_codes(
@@ -327,7 +363,7 @@ def decode_norm_codes(
     """Token norms ``[streams, tokens]`` float32 of consecutive blocks from their one-byte
     codes: ``norms`` is ``(codes, bounds)``, per block uint8 ``[streams, block tokens]`` and
     float16 ``[streams, 2]`` (``norm_codes.py``'s format, decoded as the kernels decode it)."""
-    return _core.decode_norm_codes(norms, streams)
+    return call_core(_core.decode_norm_codes, norms=norms, streams=count_arg(streams, "streams"))
 
 
 def coded_attend(
@@ -366,7 +402,8 @@ def coded_attend(
     norms as float32 ``[streams, tokens]`` or ``(codes, bounds)``, lists of per-block uint8
     ``[streams, block tokens]`` and float16 ``[streams, 2]`` arrays (``NormCodes.arrays``). A
     row with every token masked gets zeros. For the few query rows of a decode step: the
-    exact part is plain dots. float32, C-contiguous.
+    exact part is plain dots. float32, C-contiguous (arrays misaligned in memory are copied,
+    but for a ``rotation`` with ``prepared``, which must be the one :func:`prepare_keys` read).
 
     Streams coded across ``heads`` KV heads (``heads`` > 1, a recipe's ``joint_heads``):
     ``queries`` are the wide queries ``[streams, rows, heads * head_dim]`` in the key frame's
@@ -380,14 +417,16 @@ def coded_attend(
     ``prepared``: the keys made ahead by :func:`prepare_keys` from the same blocks,
     ``key_frames`` of equal values, the same ``rotation`` array (repeated alike) and
     ``precision`` (a ValueError names what differs); the result is the same bits."""
-    return _core.coded_attend(
-        _raws(key_encs),
-        _raws(value_encs),
-        streams,
-        queries,
-        exact_keys,
-        exact_values,
-        scaling,
+    return call_core(
+        _core.coded_attend,
+        ("rotation",) if prepared is not None else (),
+        key_encs=_raws(key_encs, "key_encs"),
+        value_encs=_raws(value_encs, "value_encs"),
+        streams=count_arg(streams, "streams"),
+        queries=queries,
+        exact_keys=exact_keys,
+        exact_values=exact_values,
+        scaling=scaling,
         key_frames=key_frames,
         rotation=rotation,
         key_norms=key_norms,
@@ -395,13 +434,13 @@ def coded_attend(
         value_norms=value_norms,
         bias=bias,
         softcap=softcap,
-        heads=heads,
+        heads=count_arg(heads, "heads"),
         exact_queries=exact_queries,
         key_scales=key_scales,
         value_scales=value_scales,
         precision=precision,
         prepared=prepared,
-        rotation_repeats=rotation_repeats,
+        rotation_repeats=count_arg(rotation_repeats, "rotation_repeats"),
     )
 
 
@@ -428,13 +467,15 @@ def prepare_keys(
     :func:`coded_attend` will take ``key_norms`` for these blocks, which need each token's
     decoded length (without them the int16 product decodes its integer levels straight from
     the codes; with norms given anyway, attention makes those blocks again: the same bits)."""
-    return _core.prepare_keys(
-        _raws(key_encs),
-        streams,
-        key_frames,
-        rotation,
-        precision,
-        background,
-        rotation_repeats=rotation_repeats,
+    return call_core(
+        _core.prepare_keys,
+        ("rotation",),
+        key_encs=_raws(key_encs, "key_encs"),
+        streams=count_arg(streams, "streams"),
+        key_frames=key_frames,
+        rotation=rotation,
+        precision=precision,
+        background=background,
+        rotation_repeats=count_arg(rotation_repeats, "rotation_repeats"),
         token_norms=token_norms,
     )

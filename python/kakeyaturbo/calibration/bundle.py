@@ -154,61 +154,29 @@ class Calibration:
 
     @classmethod
     def load(cls, bundle_dir: str | Path, model: Any = None) -> Calibration:
-        """Reads a bundle; with ``model`` (or its config), checks it was made for that model."""
-        from safetensors.numpy import load_file
+        """Reads a bundle, checked in full before any of it is used (see validate.py); with
+        ``model`` (or its config), checks it was made for that model."""
+        from .validate import check_tensors, read_meta, read_tensors
 
         d = Path(bundle_dir)
         if not (d / _META).is_file() or not (d / _TENSORS).is_file():
             raise CalibrationError(
                 f"{d} is not a calibration bundle (needs {_META} and {_TENSORS})"
             )
-        try:
-            meta = json.loads((d / _META).read_text())
-        except json.JSONDecodeError as e:
-            raise CalibrationError(f"{d / _META}: not valid JSON ({e})") from None
-        version = meta.pop("version", None)
-        if version != BUNDLE_VERSION:
-            raise CalibrationError(
-                f"{d}: bundle version {version!r}, this build reads version {BUNDLE_VERSION}"
-            )
-        fingerprint = meta.pop("fingerprint", None)
-        if not isinstance(fingerprint, dict):
-            raise CalibrationError(f"{d}: no model fingerprint")
-        tensors = load_file(str(d / _TENSORS))
+        fingerprint, meta = read_meta(d / _META)
+        tensors = read_tensors(d / _TENSORS)
+        check_tensors(fingerprint, tensors, meta, str(d / _TENSORS))
         calib = cls(fingerprint=fingerprint, tensors=tensors, meta=meta)
-        calib._check_tensors()
         if model is not None:
             calib.check_model(model)
         return calib
 
-    def _check_tensors(self) -> None:
-        fp = self.fingerprint
-        L, H, D = fp["num_hidden_layers"], fp["num_key_value_heads"], fp["head_dim"]
-        held = tuple(name for name in OPTIONAL_TENSOR_NAMES if name in self.tensors)
-        for name in TENSOR_NAMES + held:
-            if name not in self.tensors:
-                raise CalibrationError(f"bundle lacks tensor {name!r}")
-            want = (L, H, D) if name.endswith("variances") else (L, H, D, D)
-            if tuple(self.tensors[name].shape) != want:
-                raise CalibrationError(
-                    f"tensor {name!r} has shape {self.tensors[name].shape}, expected {want}"
-                )
-            if not np.isfinite(self.tensors[name]).all():
-                raise CalibrationError(f"tensor {name!r} holds NaN or Inf")
-        joint = [name for name in JOINT_TENSOR_NAMES if name in self.tensors]
-        if joint and len(joint) != len(JOINT_TENSOR_NAMES):
-            raise CalibrationError(f"bundle holds {joint[0]!r} without its pair")
-        for name in joint:
-            m = self.tensors[name]
-            if tuple(m.shape) != (L, H * D, H * D):
-                raise CalibrationError(
-                    f"tensor {name!r} has shape {m.shape}, expected {(L, H * D, H * D)}"
-                )
-            # The decoder takes the transpose for the inverse: anything but a rotation would
-            # decode to something else than was coded.
-            err = np.abs(np.swapaxes(m, -1, -2) @ m - np.eye(H * D)).max()
-            if not np.isfinite(err) or err > 1e-3:
-                raise CalibrationError(f"tensor {name!r} is not orthonormal (error {err:.2g})")
+    def _check_tensors(self, where: str = "calibration bundle") -> None:
+        """The checks :meth:`load` makes, on a bundle in memory."""
+        from .validate import check_meta, check_tensors
+
+        check_meta(self.fingerprint, self.meta, where)
+        check_tensors(self.fingerprint, self.tensors, self.meta, where)
 
     def check_model(self, model: Any) -> None:
         """Raises CalibrationError naming every field where the model differs."""
