@@ -11,42 +11,17 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._core import KakeyaTurboError
-
-BUNDLE_VERSION = 1
-_META = "calibration.json"
-_TENSORS = "tensors.safetensors"
-# Tensors every bundle holds, each [layers, kv_heads, ...].
-TENSOR_NAMES = (
-    "q_second_moment",  # E[q q^T] of pre-RoPE queries, pooled over the GQA group  [L,H,D,D]
-    "k_whiten",  # lower Cholesky factor L of the (ridged) query second moment    [L,H,D,D]
-    "k_transform",  # L @ U_k: pre-RoPE key (row) -> whitened PCA coordinates       [L,H,D,D]
-    "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
-    "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
-    "k_pca",  # U of plain (unwhitened) pre-RoPE key PCA, for ablations          [L,H,D,D]
-    "v_transform",  # U_v (or L_o @ U_v): value (row) -> PCA coordinates            [L,H,D,D]
-    "v_variances",  # variances of the value coordinates, descending                [L,H,D]
+from .schema import (
+    BUNDLE_VERSION,
+    JOINT_TENSOR_NAMES,
+    LEGACY_HASH,
+    META_FILE,
+    PROBE,
+    PROBE_RTOL,
+    PROBE_VALUES,
+    TENSORS_FILE,
+    CalibrationError,
 )
-# Tensors some bundles hold (see transforms.py).
-OPTIONAL_TENSOR_NAMES = (
-    "v_inverse",  # inverse of v_transform (absent: v_transform is orthonormal)      [L,H,D,D]
-)
-# Frames across a layer's KV heads (``calibrate --joint-heads``), each [L, H*D, H*D]: an
-# orthonormal rotation, columns by descending variance, of the heads' coding-frame coordinates
-# side by side (keys: k_transform's; values: their unit vectors).
-JOINT_TENSOR_NAMES = ("k_joint", "v_joint")
-
-
-class CalibrationError(KakeyaTurboError, ValueError):
-    """A bundle is missing, malformed, of another version, or for another model."""
-
-
-#: The fingerprint's sample of the first layer's key projection, and its size.
-PROBE, PROBE_VALUES = "k_proj0_probe", 64
-#: Relative tolerance of the probe: above bfloat16's rounding (at most 2^-8), below any fine-tune.
-PROBE_RTOL = 2.0**-7
-#: Bundles before the probe hashed the weights' float32 bits (so matched one dtype only).
-LEGACY_HASH = "k_proj0_sha256"
 
 
 def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
@@ -141,10 +116,10 @@ class Calibration:
         out.mkdir(parents=True, exist_ok=True)
         save_file(
             {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in self.tensors.items()},
-            str(out / _TENSORS),
+            str(out / TENSORS_FILE),
         )
         meta = {"version": BUNDLE_VERSION, "fingerprint": self.fingerprint, **self.meta}
-        (out / _META).write_text(json.dumps(meta, indent=2) + "\n")
+        (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
 
     @property
@@ -159,13 +134,13 @@ class Calibration:
         from .validate import check_tensors, read_meta, read_tensors
 
         d = Path(bundle_dir)
-        if not (d / _META).is_file() or not (d / _TENSORS).is_file():
+        if not (d / META_FILE).is_file() or not (d / TENSORS_FILE).is_file():
             raise CalibrationError(
-                f"{d} is not a calibration bundle (needs {_META} and {_TENSORS})"
+                f"{d} is not a calibration bundle (needs {META_FILE} and {TENSORS_FILE})"
             )
-        fingerprint, meta = read_meta(d / _META)
-        tensors = read_tensors(d / _TENSORS)
-        check_tensors(fingerprint, tensors, meta, str(d / _TENSORS))
+        fingerprint, meta = read_meta(d / META_FILE)
+        tensors = read_tensors(d / TENSORS_FILE)
+        check_tensors(fingerprint, tensors, meta, str(d / TENSORS_FILE))
         calib = cls(fingerprint=fingerprint, tensors=tensors, meta=meta)
         if model is not None:
             calib.check_model(model)

@@ -2,7 +2,7 @@
 every tensor's dtype, shape and finiteness, and the algebra that ties the tensors together
 (rotations orthonormal, inverses inverse, second moments symmetric and PSD, the whitening
 the Cholesky factor of the ridged query moment). Every failure is a
-:class:`~kakeyaturbo.calibration.bundle.CalibrationError` naming where and what."""
+:class:`~kakeyaturbo.calibration.schema.CalibrationError` naming where and what."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .bundle import (
+from .schema import (
     BUNDLE_VERSION,
     JOINT_TENSOR_NAMES,
     LEGACY_HASH,

@@ -1,0 +1,41 @@
+"""What a calibration bundle holds: its version, its files, its tensors' names and what each
+means, and the one error every check raises (shared by the loader and its validation)."""
+
+from __future__ import annotations
+
+from .._core import KakeyaTurboError
+
+BUNDLE_VERSION = 1
+META_FILE = "calibration.json"
+TENSORS_FILE = "tensors.safetensors"
+# Tensors every bundle holds, each [layers, kv_heads, ...].
+TENSOR_NAMES = (
+    "q_second_moment",  # E[q q^T] of pre-RoPE queries, pooled over the GQA group  [L,H,D,D]
+    "k_whiten",  # lower Cholesky factor L of the (ridged) query second moment    [L,H,D,D]
+    "k_transform",  # L @ U_k: pre-RoPE key (row) -> whitened PCA coordinates       [L,H,D,D]
+    "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
+    "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
+    "k_pca",  # U of plain (unwhitened) pre-RoPE key PCA, for ablations          [L,H,D,D]
+    "v_transform",  # U_v (or L_o @ U_v): value (row) -> PCA coordinates            [L,H,D,D]
+    "v_variances",  # variances of the value coordinates, descending                [L,H,D]
+)
+# Tensors some bundles hold (see transforms.py).
+OPTIONAL_TENSOR_NAMES = (
+    "v_inverse",  # inverse of v_transform (absent: v_transform is orthonormal)      [L,H,D,D]
+)
+# Frames across a layer's KV heads (``calibrate --joint-heads``), each [L, H*D, H*D]: an
+# orthonormal rotation, columns by descending variance, of the heads' coding-frame coordinates
+# side by side (keys: k_transform's; values: their unit vectors).
+JOINT_TENSOR_NAMES = ("k_joint", "v_joint")
+
+
+class CalibrationError(KakeyaTurboError, ValueError):
+    """A bundle is missing, malformed, of another version, or for another model."""
+
+
+#: The fingerprint's sample of the first layer's key projection, and its size.
+PROBE, PROBE_VALUES = "k_proj0_probe", 64
+#: Relative tolerance of the probe: above bfloat16's rounding (at most 2^-8), below any fine-tune.
+PROBE_RTOL = 2.0**-7
+#: Bundles before the probe hashed the weights' float32 bits (so matched one dtype only).
+LEGACY_HASH = "k_proj0_sha256"
