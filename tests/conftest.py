@@ -19,7 +19,7 @@ def _require(path: Path) -> Path:
     """``path``, or a one-line skip naming what is missing (a failure under CI, where
     ../shared is always laid beside the clone, so a lost file cannot pass as a skip)."""
     if not path.exists():
-        why = f"needs {path.relative_to(REPO.parent)} (../shared beside the repository)"
+        why = f"needs ../{path.relative_to(REPO.parent)} (../shared beside the repository)"
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)

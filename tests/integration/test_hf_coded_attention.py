@@ -306,7 +306,7 @@ def test_coded_attention_needs_sdpa(model_dir):
 def test_coded_attention_other_architectures(arch, calibrated, attend_calls, cpu_path, tmp_path):
     """Gemma 3 (sliding layers stay sdpa, head_dim 256, one KV head, its own query scaling)
     and Qwen3 (q/k norms before RoPE), with self-fitted and calibrated frames."""
-    from test_architectures import BLOCK, bundle, tiny
+    from tiny_archs import BLOCK, bundle, tiny
 
     model = tiny(arch)
     calibration = str(bundle(arch).save(tmp_path / "bundle")) if calibrated else None
