@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -28,6 +29,9 @@ class _Command:
     module: str  # has register(subparsers), which adds this command's parser
     extra: Optional[str]  # the pip extra holding its dependencies; None: the base install
     help: str  # the line `kakeyaturbo --help` shows without importing the module
+    # Packages it cannot run without, looked for before its arguments are checked, so a user
+    # without the extra is told to install it rather than to fix an argument first.
+    requires: tuple[str, ...] = ()
 
 
 _COMMANDS = {
@@ -35,13 +39,22 @@ _COMMANDS = {
         "kakeyaturbo.bench_cli", None, "encode/decode a .npy/.safetensors tensor, print JSON"
     ),
     "capture": _Command(
-        "kakeyaturbo.capture_cli", "hf", "capture K/V from a local model to .safetensors"
+        "kakeyaturbo.capture_cli",
+        "hf",
+        "capture K/V from a local model to .safetensors",
+        ("torch", "transformers"),
     ),
     "calibrate": _Command(
-        "kakeyaturbo.calibration.cli", "hf", "fit a calibration bundle (query-aware key frames)"
+        "kakeyaturbo.calibration.cli",
+        "hf",
+        "fit a calibration bundle (query-aware key frames)",
+        ("torch", "transformers"),
     ),
     "eval": _Command(
-        "kakeyaturbo.eval.cli", "eval", "quality and bytes of KV codecs against peers"
+        "kakeyaturbo.eval.cli",
+        "eval",
+        "quality and bytes of KV codecs against peers",
+        ("torch", "transformers"),
     ),
     "report": _Command(
         "kakeyaturbo.eval.cli", "eval", "regenerate reports/README.md from the JSON results"
@@ -92,6 +105,12 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         if chosen is None or cmd.module != chosen.module:
             sub.add_parser(name, help=cmd.help, add_help=False)
     if chosen is not None:
+        for package in chosen.requires:
+            if importlib.util.find_spec(package) is None:
+                raise MissingExtraError(
+                    f"kakeyaturbo {command} needs {package!r}, which is not installed: "
+                    f"pip install 'kakeyaturbo[{chosen.extra}]'"
+                )
         try:
             module = importlib.import_module(chosen.module)
         except ModuleNotFoundError as exc:

@@ -52,7 +52,7 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return get(decoder=True) if get is not None else config
 
 
-def _layer_types(cfg: PretrainedConfig) -> list[str]:
+def attention_kinds(cfg: PretrainedConfig) -> list[str]:
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
     if types is not None:
@@ -106,7 +106,7 @@ def build_layer_plan(
     if not isinstance(n, int) or n <= 0:
         raise ValueError("config.num_hidden_layers must be a positive integer")
     skip = _check_skip_layers(skip_layers, n)
-    types = _layer_types(cfg)
+    types = attention_kinds(cfg)
     shared = _shared_consumers(cfg, n)
 
     plan = []

@@ -173,10 +173,10 @@ class ModelRope:
     ``rope(layer)`` -> :class:`RotarySpec`, built once per layer."""
 
     def __init__(self, config: PretrainedConfig) -> None:
-        from .layer_plan import _layer_types, text_config
+        from .layer_plan import attention_kinds, text_config
 
         self._config = text_config(config)
-        self._types = _layer_types(self._config)
+        self._types = attention_kinds(self._config)
         self._specs: dict[int, RotarySpec] = {}
 
     def __call__(self, layer: int) -> RotarySpec:
