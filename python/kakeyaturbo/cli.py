@@ -70,17 +70,21 @@ class MissingExtraError(KakeyaTurboError, ImportError):
     """A command needs a package that only one of the package's extras installs."""
 
 
-def _missing_extra(command: str, exc: ModuleNotFoundError) -> Optional[MissingExtraError]:
-    """The user-facing error for `exc`, if it is a third-party package `command` lacks."""
-    package = (exc.name or "").split(".")[0]
-    extra = _COMMANDS[command].extra
-    if not package or package == "kakeyaturbo" or extra is None:
-        return None
-    extra = _PACKAGE_EXTRA.get(package, extra)
+def _extra_error(command: str, package: str) -> MissingExtraError:
+    """The user-facing error for `command` lacking `package`, naming the extra to install."""
+    extra = _PACKAGE_EXTRA.get(package, _COMMANDS[command].extra)
     return MissingExtraError(
         f"kakeyaturbo {command} needs {package!r}, which is not installed: "
         f"pip install 'kakeyaturbo[{extra}]'"
     )
+
+
+def _missing_extra(command: str, exc: ModuleNotFoundError) -> Optional[MissingExtraError]:
+    """The user-facing error for `exc`, if it is a third-party package `command` lacks."""
+    package = (exc.name or "").split(".")[0]
+    if not package or package == "kakeyaturbo" or _COMMANDS[command].extra is None:
+        return None
+    return _extra_error(command, package)
 
 
 def _command_of(argv: Sequence[str]) -> Optional[str]:
@@ -107,10 +111,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     if chosen is not None:
         for package in chosen.requires:
             if importlib.util.find_spec(package) is None:
-                raise MissingExtraError(
-                    f"kakeyaturbo {command} needs {package!r}, which is not installed: "
-                    f"pip install 'kakeyaturbo[{chosen.extra}]'"
-                )
+                raise _extra_error(command, package)
         try:
             module = importlib.import_module(chosen.module)
         except ModuleNotFoundError as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ __all__ = [
     "add_model_argument",
     "add_text_argument",
     "atomic_path",
+    "command_line",
     "existing_path",
     "int_at_least",
     "model_path",
@@ -128,3 +131,12 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
         type=model_path,
         help="local Hugging Face model folder, or a GGUF file (or a folder holding one)",
     )
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that made ``args``, for results to record: the argv `kakeyaturbo.cli.main`
+    parsed (``args._argv``), else this process's own."""
+    argv = getattr(args, "_argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+    return "kakeyaturbo " + shlex.join(argv)

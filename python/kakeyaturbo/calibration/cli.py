@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import shutil
 import tempfile
 from pathlib import Path
 
-from ..cli_args import add_model_argument, add_text_argument, int_at_least, positive_float
+from ..cli_args import (
+    add_model_argument,
+    add_text_argument,
+    command_line,
+    int_at_least,
+    positive_float,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -75,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         ridge=args.ridge,
         value_metric=args.value_metric == "output",
         joint_heads=args.joint_heads,
-        command="kakeyaturbo " + shlex.join(getattr(args, "_argv", [])),
+        command=command_line(args),
     )
     if args.sensitivity_passages > 0:
         from ..eval.sensitivity import scan

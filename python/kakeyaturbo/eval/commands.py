@@ -8,14 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from kakeyaturbo.cli_args import UsageError
-
-
-def _command(args) -> str:
-    argv = getattr(args, "_argv", None)
-    if argv is None:
-        argv = sys.argv[1:]
-    return "kakeyaturbo " + shlex.join(argv)
+from kakeyaturbo.cli_args import UsageError, command_line
 
 
 def _progress(args) -> bool:
@@ -104,7 +97,9 @@ def cmd_ppl(args) -> int:
     _check_copy(args)
     _check_specs(args.method, {"streams": args.streams} if args.streams else None)
     setup = _setup(args)
-    res = ppl_result(setup, args.method, args.mode, args.streams, _command(args), _progress(args))
+    res = ppl_result(
+        setup, args.method, args.mode, args.streams, command_line(args), _progress(args)
+    )
     if _failed(res["methods"], args.out):
         return 1
     write_json(res, args.out)
@@ -134,7 +129,7 @@ def cmd_sweep(args) -> int:
     plot = args.plot or str(Path(args.out).with_suffix(".png"))
     res = {
         "kind": "sweep",
-        "command": _command(args),
+        "command": command_line(args),
         **setup.config(),
         "mode": args.mode,
         "options": shared or {},
@@ -177,7 +172,13 @@ def cmd_layers(args) -> int:
     for i, sec in enumerate(sections):
         path = out if len(sections) == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
         write_json(
-            {"kind": "layers", "command": _command(args), **setup.config(), "mode": "mixed", **sec},
+            {
+                "kind": "layers",
+                "command": command_line(args),
+                **setup.config(),
+                "mode": "mixed",
+                **sec,
+            },
             path,
         )
         _say(f"wrote {path}")
@@ -200,7 +201,7 @@ def cmd_bytes(args) -> int:
         args.contexts,
         args.fit_max,
         args.project,
-        _command(args),
+        command_line(args),
         _progress(args),
     )
     res.update(model=str(args.model), text=str(args.text))
@@ -283,7 +284,7 @@ def cmd_all(args) -> int:
     if args.skip:
         steps = [s for s in steps if s[1] not in args.skip]
     parser = args.make_parser()
-    all_command = _command(args)
+    all_command = command_line(args)
     rc = 0
     t0 = time.perf_counter()
     for argv in steps:
@@ -308,7 +309,7 @@ def cmd_held_out(args) -> int:
     result = json.loads(Path(args.result).read_text())
     chosen = [json.loads(Path(c).read_text()) for c in args.chosen]
     rows = held_out(result, chosen)
-    text = "$ " + _command(args) + "\n" + format_held_out(result, rows) + "\n"
+    text = "$ " + command_line(args) + "\n" + format_held_out(result, rows) + "\n"
     if args.out:
         from kakeyaturbo.cli_args import atomic_path
 
