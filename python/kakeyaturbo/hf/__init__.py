@@ -20,6 +20,7 @@ The parts are importable from their own modules: ``layer`` (``KakeyaLayer``), ``
 
 from ._compat import CACHE_ARG
 from .cache import KakeyaCache
+from .cache_file import CacheFileError, CacheMismatchError
 from .options import KakeyaOptions
 
-__all__ = ["KakeyaCache", "KakeyaOptions", "CACHE_ARG"]
+__all__ = ["KakeyaCache", "KakeyaOptions", "CACHE_ARG", "CacheFileError", "CacheMismatchError"]

@@ -220,6 +220,7 @@ class KakeyaCache(Cache):
         """Hook ``model``'s decoder so this cache sees each forward's position ids and 2-D
         attention mask. ``from_model`` calls it; call :meth:`detach` to remove the hooks."""
         self.detach()
+        self._model_ref = weakref.ref(model)  # the model `save` identifies the file by
         decoder = getattr(model, "base_model", None)
         decoder = decoder if isinstance(decoder, torch.nn.Module) else model
         names = list(inspect.signature(decoder.forward).parameters)
@@ -284,6 +285,45 @@ class KakeyaCache(Cache):
         for handle in getattr(self, "_hook_handles", []):
             handle.remove()
         self._hook_handles = []
+
+    # ---- save / load -------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike, model: PreTrainedModel | None = None) -> int:
+        """Write this cache's state (coded blocks, sinks, hot window, lengths, positions,
+        self-fitted frames) to one versioned, checksummed file (``hf/persist.py``), with the
+        identity of ``model`` (default: the model :meth:`attach` / :meth:`from_model` hooked)
+        and of this cache's settings. Returns the file's size in bytes.
+
+        Raises NotImplementedError for a layer whose blocks are held on a GPU only (coded
+        attention there) and for sliding-window layers."""
+        from .persist import save_cache
+
+        if model is None:
+            ref = getattr(self, "_model_ref", None)
+            model = None if ref is None else ref()
+            if model is None:
+                raise ValueError("KakeyaCache.save: pass the model (this cache was never attached)")
+        return save_cache(self, model, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: PreTrainedModel, **kwargs: Any) -> KakeyaCache:
+        """A cache for ``model`` holding the state :meth:`save` wrote to ``path``: built by
+        :meth:`from_model` with ``kwargs`` (build it as the saved one was built), then filled
+        from the file on the model's device.
+
+        Raises:
+            kakeyaturbo.hf.CacheMismatchError (a ValueError): the file was saved for another
+                model (config fields, dtype, weights hash) or other settings (recipe,
+                residual length, layer plan, hot dtype, options, calibration bundle); the
+                message names each field that differs.
+            kakeyaturbo.hf.CacheFileError (a ValueError): not a cache file, truncated,
+                damaged (checksum), another format version, or streams the codec refuses.
+        """
+        from .persist import load_cache
+
+        cache = cls.from_model(model, **kwargs)
+        load_cache(cache, model, path)
+        return cache
 
     # ---- accounting --------------------------------------------------------------------------
 
