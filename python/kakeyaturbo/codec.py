@@ -14,6 +14,7 @@ import numpy as np
 from . import _core
 from ._arrays import Origin, call_core, count_arg, from_core, to_core
 from ._core import Basis, CodecParams
+from .decode_limit import check_totals, layer_totals
 from .recipes import default_recipe
 
 
@@ -195,13 +196,30 @@ def encode_batch(
 class CoreLayers(tuple):
     """Layers already unwrapped for the core (:func:`core_layers`): the batch calls take them
     as they are, so a caller that hands the same layers over on every step (a cache's blocks,
-    immutable once written) checks and unwraps them once."""
+    immutable once written) checks and unwraps them once, and counts their bytes once for
+    the decode limit (``totals``: decoded, stored)."""
+
+    totals: tuple[int, int]
 
 
 def core_layers(encs: Sequence[EncodedLayer]) -> CoreLayers:
     """``encs`` unwrapped for the core, once (a TypeError names the first that is not an
     :class:`EncodedLayer`)."""
-    return CoreLayers(_raws(encs))
+    layers = CoreLayers(_raws(encs))
+    layers.totals = layer_totals(layers)
+    return layers
+
+
+def _within_limit(what: str, *runs: Sequence) -> None:
+    """The decode limit (:mod:`kakeyaturbo.decode_limit`) over every layer of ``runs`` together:
+    what one call may decode or prepare."""
+    decoded = stored = 0
+    for run in runs:
+        d, s = run.totals if isinstance(run, CoreLayers) else layer_totals(run)
+        decoded += d
+        stored += s
+    if runs:
+        check_totals(decoded, stored, f"{what}: {sum(len(r) for r in runs)} layers")
 
 
 def _type_name(x: Any) -> str:
@@ -245,7 +263,9 @@ def _raws(encs: Any, name: str = "encs") -> Sequence:
 
 def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases: Any = None) -> Any:
     """Decodes equally shaped layers to ``[streams, tokens, head_dim]`` in parallel
-    (``bases`` as in :func:`encode_batch`, for layers encoded with one)."""
+    (``bases`` as in :func:`encode_batch`, for layers encoded with one).
+    Layers declaring more decoded bytes in total than the decode limit allows
+    (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
     encs = _layers(encs, "encs")
     if not encs:
         raise ValueError("encs: the list is empty")
@@ -253,6 +273,7 @@ def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases:
     dtypes = {e.dtype for e in encs}
     if len(dtypes) != 1:
         raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
+    _within_limit("encs", raws)  # the core's own check, with KAKEYATURBO_MAX_DECODED_BYTES
     values = _core.decode_batch(raws, bases=_bases(bases))
     return from_core(values, encs[0].dtype, encs[0]._origin, out)
 
@@ -310,10 +331,15 @@ def coded_key_logits(
     says the CPU has AVX512-VNNI or AVX2 (the same bits on either); or ``"bfloat16"`` (both
     rounded to bfloat16, float32 sums) where :func:`bf16_products` says it multiplies
     bfloat16 natively. Both multiply faster than float32 there (twice its rate with AVX-512)
-    and run the float32 product elsewhere."""
+    and run the float32 product elsewhere. NaN or infinity in an array is a ValueError naming
+    it (as for :func:`coded_attend`).
+    Layers declaring more decoded bytes in total than the decode limit allows
+    (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
+    raws = _raws(encs)
+    _within_limit("encs", raws)
     return call_core(
         _core.coded_key_logits,
-        encs=_raws(encs),
+        encs=raws,
         streams=count_arg(streams, "streams"),
         queries=queries,
         frames=frames,
@@ -347,10 +373,14 @@ def coded_value_sums(
     """``sum_t weights[s, j, t] * norms[s, t] / |y_t| * y_t`` ``[streams, g, head_dim]`` over
     coded values (laid out as for :func:`coded_key_logits`), in the coding frame, without a
     decoded copy. ``weights`` ``[streams, g, tokens]``; ``norms`` ``[streams, tokens]`` (None:
-    no scale). float32, C-contiguous."""
+    no scale). float32, C-contiguous. NaN or infinity is a ValueError naming the array.
+    Layers declaring more decoded bytes in total than the decode limit allows
+    (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
+    raws = _raws(encs)
+    _within_limit("encs", raws)
     return call_core(
         _core.coded_value_sums,
-        encs=_raws(encs),
+        encs=raws,
         streams=count_arg(streams, "streams"),
         weights=weights,
         norms=norms,
@@ -416,12 +446,20 @@ def coded_attend(
     (None: 1). ``precision`` and ``rotation_repeats``: as for :func:`coded_key_logits`.
     ``prepared``: the keys made ahead by :func:`prepare_keys` from the same blocks,
     ``key_frames`` of equal values, the same ``rotation`` array (repeated alike) and
-    ``precision`` (a ValueError names what differs); the result is the same bits."""
+    ``precision`` (a ValueError names what differs); the result is the same bits.
+
+    NaN or infinity in any input (``bias`` may hold ``-inf``, a mask) is a ValueError naming
+    the argument and the index: the softmax would otherwise mask or zero it silently.
+    Norm codes' bounds are the core's to check (a ``FormatError``).
+    Layers declaring more decoded bytes in total than the decode limit allows
+    (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
+    keys, values = _raws(key_encs, "key_encs"), _raws(value_encs, "value_encs")
+    _within_limit("key_encs and value_encs", keys, values)
     return call_core(
         _core.coded_attend,
         ("rotation",) if prepared is not None else (),
-        key_encs=_raws(key_encs, "key_encs"),
-        value_encs=_raws(value_encs, "value_encs"),
+        key_encs=keys,
+        value_encs=values,
         streams=count_arg(streams, "streams"),
         queries=queries,
         exact_keys=exact_keys,
@@ -466,11 +504,16 @@ def prepare_keys(
     ``rotation`` while the result lives: they are read in place. ``token_norms``: whether
     :func:`coded_attend` will take ``key_norms`` for these blocks, which need each token's
     decoded length (without them the int16 product decodes its integer levels straight from
-    the codes; with norms given anyway, attention makes those blocks again: the same bits)."""
+    the codes; with norms given anyway, attention makes those blocks again: the same bits).
+    NaN or infinity in ``key_frames`` or ``rotation`` is a ValueError naming it.
+    Layers declaring more decoded bytes in total than the decode limit allows
+    (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
+    keys = _raws(key_encs, "key_encs")
+    _within_limit("key_encs", keys)
     return call_core(
         _core.prepare_keys,
         ("rotation",),
-        key_encs=_raws(key_encs, "key_encs"),
+        key_encs=keys,
         streams=count_arg(streams, "streams"),
         key_frames=key_frames,
         rotation=rotation,

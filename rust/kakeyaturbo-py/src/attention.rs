@@ -9,9 +9,10 @@ use kakeyaturbo::EncodedLayer;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::arrays::{f32_array, opt_f32_array};
+use crate::arrays::opt_f32_array;
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in, type_error};
+use crate::finite::{self, finite_array, opt_finite_array};
 use crate::params::precision_arg;
 use crate::prepared::PyPreparedKeys;
 use crate::workers;
@@ -32,10 +33,20 @@ impl ExactRun<'_> {
             ExactRun::Int8Rows(a) => Lanes::Int8Rows(a.as_slice()?),
         })
     }
+
+    /// NaN or infinity (an int8 row's scale out of range) is a ValueError naming `arg`.
+    fn check_finite(&self, arg: &str) -> PyResult<()> {
+        match self {
+            ExactRun::F32(a) => finite::check_f32(arg, a.as_slice()?, a.shape(), false),
+            ExactRun::Bf16(a) => finite::check_bf16(arg, a.as_slice()?, a.shape()),
+            ExactRun::Int8Rows(a) => finite::check_int8_rows(arg, a.as_slice()?, a.shape()),
+        }
+    }
 }
 
 /// The runs of `exact_keys` or `exact_values`: one array, or a list or tuple of them in token
-/// order; a TypeError naming `arg` for anything else.
+/// order; a TypeError naming `arg` for anything else, a ValueError for values that are not
+/// finite (naming the run of a list: `arg[i]`).
 fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<'py>>> {
     let want = "expected a C-contiguous 3-D float32 array, uint16 of raw bfloat16 bits or int8 \
                 rows (or a list of them, in token order)";
@@ -52,9 +63,18 @@ fn exact_runs<'py>(obj: &Bound<'py, PyAny>, arg: &str) -> PyResult<Vec<ExactRun<
         run.ok_or_else(|| type_error(arg, want))
     };
     if obj.is_instance_of::<pyo3::types::PyList>() || obj.is_instance_of::<pyo3::types::PyTuple>() {
-        obj.try_iter()?.map(|o| one(&o?)).collect()
+        let runs = obj
+            .try_iter()?
+            .map(|o| one(&o?))
+            .collect::<PyResult<Vec<_>>>()?;
+        for (i, run) in runs.iter().enumerate() {
+            run.check_finite(&format!("{arg}[{i}]"))?;
+        }
+        Ok(runs)
     } else {
-        Ok(vec![one(obj)?])
+        let run = one(obj)?;
+        run.check_finite(arg)?;
+        Ok(vec![run])
     }
 }
 
@@ -122,7 +142,10 @@ impl<'py> NormsIn<'py> {
                 .collect::<PyResult<_>>()?;
             return Ok(NormsIn::Codes(pairs));
         }
-        Ok(NormsIn::Values(f32_array::<numpy::Ix2>(obj, arg)?))
+        // (Codes' bounds are the core's to check: positive finite float16, else a FormatError.)
+        Ok(NormsIn::Values(finite_array::<numpy::Ix2>(
+            obj, arg, false,
+        )?))
     }
 
     fn view(&self) -> PyResult<Norms<'_>> {
@@ -166,7 +189,9 @@ fn scales_arg<'py>(
         let decoded = decoded_codes(obj, rows, arg)?.map_err(|e| to_py_in(arg, e))?;
         return Ok(Some(ScalesIn::Decoded(decoded)));
     }
-    Ok(Some(ScalesIn::Values(f32_array::<numpy::Ix3>(obj, arg)?)))
+    Ok(Some(ScalesIn::Values(finite_array::<numpy::Ix3>(
+        obj, arg, false,
+    )?)))
 }
 
 /// `(codes, bounds)` lists (argument `arg`) decoded as the kernels decode token norms,
@@ -254,10 +279,10 @@ pub fn coded_key_logits<'py>(
     let precision = precision_arg(precision)?;
     let refs = layers(&encs);
     let coded = CodedStreams::new(&refs, streams).map_err(to_py)?;
-    let q = f32_array::<numpy::Ix3>(queries, "queries")?;
+    let q = finite_array::<numpy::Ix3>(queries, "queries", false)?;
     let g = q.shape()[1];
-    let frames = opt_f32_array::<numpy::Ix3>(frames, "frames")?;
-    let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
+    let frames = opt_finite_array::<numpy::Ix3>(frames, "frames", false)?;
+    let rotation = opt_finite_array::<numpy::Ix4>(rotation, "rotation", false)?;
     let norms = norms_arg(norms, "norms")?;
     let rot = rope_angles(&rotation, rotation_repeats)?;
     let (qs, fs) = (q.as_slice()?, with_lead(&frames)?);
@@ -285,7 +310,7 @@ pub fn coded_value_sums<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let refs = layers(&encs);
     let coded = CodedStreams::new(&refs, streams).map_err(to_py)?;
-    let w = f32_array::<numpy::Ix3>(weights, "weights")?;
+    let w = finite_array::<numpy::Ix3>(weights, "weights", false)?;
     let g = w.shape()[1];
     let norms = norms_arg(norms, "norms")?;
     let (ws, ns) = (w.as_slice()?, norms_view(&norms)?);
@@ -347,7 +372,7 @@ pub fn coded_attend<'py>(
     let (krefs, vrefs) = (layers(&key_encs), layers(&value_encs));
     let keys = CodedStreams::new(&krefs, streams).map_err(|e| to_py_in("key_encs", e))?;
     let values = CodedStreams::new(&vrefs, streams).map_err(|e| to_py_in("value_encs", e))?;
-    let q = f32_array::<numpy::Ix3>(queries, "queries")?;
+    let q = finite_array::<numpy::Ix3>(queries, "queries", false)?;
     let (ek, ev) = (
         exact_runs(exact_keys, "exact_keys")?,
         exact_runs(exact_values, "exact_values")?,
@@ -370,17 +395,23 @@ pub fn coded_attend<'py>(
         })
         .collect::<PyResult<Vec<_>>>()?;
     let (kf, vf, bias) = (
-        opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?,
-        opt_f32_array::<numpy::Ix3>(value_frames, "value_frames")?,
-        opt_f32_array::<numpy::Ix3>(bias, "bias")?,
+        opt_finite_array::<numpy::Ix3>(key_frames, "key_frames", false)?,
+        opt_finite_array::<numpy::Ix3>(value_frames, "value_frames", false)?,
+        opt_finite_array::<numpy::Ix3>(bias, "bias", true)?, // -inf: a mask
     );
-    let rotation = opt_f32_array::<numpy::Ix4>(rotation, "rotation")?;
+    // Keys made ahead hold what prepare_keys read (and checked) of the rotation.
+    let rotation = match prepared {
+        Some(_) => opt_f32_array::<numpy::Ix4>(rotation, "rotation")?,
+        None => opt_finite_array::<numpy::Ix4>(rotation, "rotation", false)?,
+    };
+    finite::check_scalar("scaling", Some(scaling))?;
+    finite::check_scalar("softcap", softcap)?;
     let (kn, vn) = (
         norms_arg(key_norms, "key_norms")?,
         norms_arg(value_norms, "value_norms")?,
     );
     let (eq, ks, vs) = (
-        opt_f32_array::<numpy::Ix3>(exact_queries, "exact_queries")?,
+        opt_finite_array::<numpy::Ix3>(exact_queries, "exact_queries", false)?,
         scales_arg(key_scales, streams * heads, "key_scales")?,
         scales_arg(value_scales, streams * heads, "value_scales")?,
     );

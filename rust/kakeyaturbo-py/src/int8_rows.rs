@@ -4,13 +4,15 @@
 use kakeyaturbo::int8_rows;
 use numpy::ndarray::IxDyn;
 use numpy::{PyArray, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::errors::{to_py, type_error};
 
 /// `x` `[..., D]` float32 (C-contiguous, at least one dim, `D > 0`) as int8 rows `[..., D + 2]`:
 /// per row `D` codes and the two bytes of its bfloat16 scale, the bits of the torch encoder
-/// (`kakeyaturbo.hf.int8_rows`).
+/// (`kakeyaturbo.hf.int8_rows`). A row holding NaN or infinity is a `ValueError` naming it: its
+/// scale would not be finite, and every attention over it would give NaN.
 #[pyfunction]
 pub fn int8_rows_encode<'py>(
     py: Python<'py>,
@@ -26,6 +28,16 @@ pub fn int8_rows_encode<'py>(
         return Err(type_error("x", want));
     }
     let values = a.as_slice()?;
+    // One pass the compiler vectorises; only a bad input is scanned again for the place.
+    if !values.iter().all(|v| v.is_finite()) {
+        let i = values.iter().position(|v| !v.is_finite()).unwrap_or(0);
+        return Err(PyValueError::new_err(format!(
+            "x: row {} holds {} at column {}: int8 rows hold finite values only",
+            i / d,
+            values[i],
+            i % d
+        )));
+    }
     let held = py.detach(|| int8_rows::encode(values, d)).map_err(to_py)?;
     *shape.last_mut().expect("one dim") = d + int8_rows::SCALE_BYTES;
     Ok(PyArray::from_vec(py, held)

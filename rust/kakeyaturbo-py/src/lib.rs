@@ -5,6 +5,7 @@ mod arrays;
 mod attention;
 mod codec;
 mod errors;
+mod finite;
 mod int8_rows;
 mod openmp;
 mod params;

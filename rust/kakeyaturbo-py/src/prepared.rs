@@ -10,9 +10,9 @@ use numpy::PyUntypedArrayMethods;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::arrays::opt_f32_array;
 use crate::codec::PyEncodedLayer;
 use crate::errors::{to_py, to_py_in};
+use crate::finite::opt_finite_array;
 use crate::params::precision_arg;
 use crate::workers;
 
@@ -226,12 +226,15 @@ pub fn prepare_keys<'py>(
     let precision = precision_arg(precision)?;
     let frames = match (
         key_frames,
-        opt_f32_array::<numpy::Ix3>(key_frames, "key_frames")?,
+        opt_finite_array::<numpy::Ix3>(key_frames, "key_frames", false)?,
     ) {
         (Some(owner), Some(a)) => Some((Held::of(owner, a.as_slice()?), a.shape()[0])),
         _ => None,
     };
-    let rotation = match (rotation, opt_f32_array::<numpy::Ix4>(rotation, "rotation")?) {
+    let rotation = match (
+        rotation,
+        opt_finite_array::<numpy::Ix4>(rotation, "rotation", false)?,
+    ) {
         (Some(owner), Some(a)) => Some(HeldRotation {
             values: Held::of(owner, a.as_slice()?),
             rows: a.shape()[0],
