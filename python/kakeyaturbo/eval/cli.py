@@ -29,6 +29,7 @@ from kakeyaturbo.eval.commands import (
     cmd_ppl,
     cmd_report,
     cmd_sweep,
+    cmd_table,
 )
 
 #: The harness's protocols (``eval.harness.MODES``; named here so parsing imports no torch).
@@ -99,7 +100,7 @@ def register(subparsers) -> None:
         description="Evaluate KV codecs: perplexity/KL/top-1 and stored bytes.",
     )
     sub = ev.add_subparsers(
-        dest="eval_command", metavar="{ppl,sweep,layers,bytes,all,held-out,methods}"
+        dest="eval_command", metavar="{ppl,sweep,layers,bytes,all,held-out,table,methods}"
     )
     sub.required = True
 
@@ -196,6 +197,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--out", default=None, help="also write the table to this text file")
     p.set_defaults(func=cmd_held_out)
+
+    p = sub.add_parser(
+        "table", help="an eval ppl or eval sweep result as one short table, best ratio first"
+    )
+    p.add_argument("result", type=existing_path("result", "file"), help="results JSON")
+    p.add_argument("--mark", default=None, help="method spec whose row gets a *")
+    p.set_defaults(func=cmd_table)
 
     p = sub.add_parser("methods", help="list the registered methods and their parameters")
     p.set_defaults(func=cmd_methods)

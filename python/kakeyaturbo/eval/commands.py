@@ -319,6 +319,19 @@ def cmd_held_out(args) -> int:
     return 0
 
 
+def cmd_table(args) -> int:
+    import json
+
+    from kakeyaturbo.eval.summary import format_table
+
+    try:
+        result = json.loads(Path(args.result).read_text())
+        print(format_table(result, args.mark))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"{args.result}: not an eval ppl or sweep result ({exc})") from exc
+    return 0
+
+
 def cmd_methods(args) -> int:
     from kakeyaturbo.eval.methods import COMMON_KEY_VALUES
     from kakeyaturbo.eval.registry import METHOD_HELP
