@@ -156,8 +156,10 @@ def decode_layer(
     enc: EncodedLayer, out: Optional[str] = None, basis: Optional[Basis] = None
 ) -> Any:
     """Decodes to the input's shape, dtype, framework and device. Layers read with
-    ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise."""
+    ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise. A
+    ceiling set on the decode limit (:mod:`kakeyaturbo.decode_limit`) applies here too."""
     _check_layer(enc, "enc")
+    _within_limit("enc", [enc._raw])
     return from_core(_core.decode_layer(enc._raw, basis=_basis(basis)), enc.dtype, enc._origin, out)
 
 

@@ -89,6 +89,10 @@ def test_set_decode_limit_lowers_the_cap_until_removed(blob):
         set_decode_limit(8191)  # one byte short of the 8192 declared
         with pytest.raises(kt.FormatError, match=r"\(8191 bytes;"):
             prepare_keys(small, 2, background=False)
+        kt.decode_layer(small[0])  # 4096 bytes alone
+        set_decode_limit(4095)
+        with pytest.raises(kt.FormatError, match=r"^enc: 1 layers would decode to 4096 bytes"):
+            kt.decode_layer(small[0])
         set_decode_limit(8192)
         prepare_keys(small, 2, background=False)
     finally:
