@@ -146,9 +146,10 @@ def test_coded_attention_matches_decoding(model, attend_calls, cpu_path, kw):
     ids, mask = padded_batch(model.config.vocab_size)
     # The hot window's int8 values (the default) or a bfloat16 window round each new token: a
     # 1e-6 difference between the two paths' hidden states can flip a rounding (4e-3
-    # relative), so the later logits drift more apart.
+    # relative), so the later logits drift more apart: up to 1.1e-3 on an AVX-512 machine, whose
+    # torch kernels round otherwise than AVX2's (a wrong coded path moves them by 1e-2 and more).
     exact = kw.get("hot_dtype") is not torch.bfloat16 and kw.get("int8_hot_values") is False
-    tol = 1e-4 if exact else 5e-4
+    tol = 1e-4 if exact else 2e-3
     cache = compare(model, ids, mask, 600, attend_calls, tol, residual_length=64, **kw)
     assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
     assert set(attend_calls) == {512, 576}
