@@ -39,8 +39,9 @@ kakeyaturbo bench artifacts/kv.safetensors --tensor layer2.k_pre_rope --allocati
   --k 0 --share-basis --bits-per-value 3 --block-size 512 --stages
 
 stage 4 "the default recipe against its peers, end to end on SmolLM2 (4 passages)"
-# One run, the same passages for every method: the default (no calibration bundle, no flags)
-# beside KIVI-4, TurboQuant-4 and fp8, each scored against the uncompressed model.
+# One run, the same passages for every method: the default (no flags: the model's own bundle,
+# fitted on first use from text it samples, about a minute, then cached) beside KIVI-4,
+# TurboQuant-4 and fp8, each scored against the uncompressed model.
 if [ "$EVAL" = 1 ]; then
   kakeyaturbo eval sweep --model "$MODEL" --text "$TEXT" --ctx 960 --n-eval 64 --passages 4 \
     --family kakeya --family kivi:bits=4 --family turboquant:bits=4 --family fp8 \

@@ -58,13 +58,15 @@ class _Moments:
 
 def collect_moments(
     model,
-    token_ids: list[int],
+    token_ids: Optional[list[int]] = None,
     ctx: int = 1024,
     progress: bool = True,
     rope=None,
     joint: bool = False,
+    windows: Optional[list[list[int]]] = None,
 ) -> list[_Moments]:
-    """Runs ``token_ids`` through the model in windows of ``ctx`` tokens. With ``rope`` (a
+    """Runs ``token_ids`` through the model in windows of ``ctx`` tokens (or the given
+    ``windows``, one forward pass each). With ``rope`` (a
     :class:`~kakeyaturbo.hf.rope.ModelRope`) the queries and keys are taken post-RoPE, each
     window's tokens at positions 0.. (for post-RoPE key frames). ``joint``: also the moments
     across heads (:class:`_Moments`)."""
@@ -85,15 +87,19 @@ def collect_moments(
                 x = heads_first(out.detach(), n_tokens[0], d)
                 if rope is not None and name != "v":
                     x = rope.rotate(x.float(), li, 0)
-                current[(li, name)] = x[0].transpose(0, 1).double().numpy()
+                current[(li, name)] = x[0].transpose(0, 1).double().cpu().numpy()
 
             hooks.append(mod.register_forward_hook(hook))
-    windows = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
+    if windows is None:
+        if token_ids is None:
+            raise ValueError("collect_moments needs token_ids or windows")
+        windows = [token_ids[i : i + ctx] for i in range(0, len(token_ids) - 1, ctx)]
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for w in tqdm(windows, desc="calibrating", unit="window", disable=not progress):
                 n_tokens[0] = len(w)
-                model(torch.tensor([w]))
+                model(torch.tensor([w], device=device))
                 for li in range(len(layers)):
                     moments[li].add(
                         current[(li, "q")], current[(li, "k")], current[(li, "v")], hq // hkv
@@ -280,14 +286,29 @@ def calibrate(
     meta = {
         "tokens": len(ids),
         "ctx": ctx,
-        "ridge": ridge,
         "text_file": Path(text_file).name,
         "text_sha256": hashlib.sha256(text.encode()).hexdigest()[:16],
-        "value_metric": "output" if value_metrics is not None else "none",
         "joint_heads": joint_heads,
     }
     if command:
         meta["command"] = command
+    return calibration_from_moments(model, moments, meta, ridge, value_metrics)
+
+
+def calibration_from_moments(
+    model,
+    moments: list[_Moments],
+    meta: dict,
+    ridge: float = 1e-3,
+    value_metrics: Optional[list[np.ndarray]] = None,
+) -> Calibration:
+    """The bundle of ``model`` whose bases :func:`fit_bundle` fits on ``moments``; ``meta``
+    says how the moments were collected."""
+    meta = {
+        **meta,
+        "ridge": ridge,
+        "value_metric": "output" if value_metrics is not None else "none",
+    }
     return Calibration(
         fingerprint=model_fingerprint(model),
         tensors=fit_bundle(moments, ridge, value_metrics),

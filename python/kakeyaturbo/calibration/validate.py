@@ -105,9 +105,9 @@ def check_meta(fingerprint: dict[str, Any], meta: dict[str, Any], where: str) ->
         fail(f"fingerprint.{LEGACY_HASH}", "must be 16 lowercase hex digits")
     layers = fingerprint["num_hidden_layers"]
     for k, v in meta.items():
-        if k in ("tokens", "ctx"):
+        if k in ("tokens", "ctx", "auto_fit"):
             _positive_int(v, k, fail)
-        elif k == "ridge":
+        elif k in ("ridge", "fit_seconds"):
             if not _is_number(v) or not math.isfinite(v) or v < 0:
                 fail(k, f"must be a finite number >= 0, not {v!r}")
         elif k in ("text_file", "command"):

@@ -220,6 +220,7 @@ def bytes_result(
         t_method = time.perf_counter()
         try:
             method = build_method(spec)
+            method.prepare(model)
             if getattr(method, "reason", None):
                 methods.append({**method.describe(), "skipped": method.reason})
                 continue

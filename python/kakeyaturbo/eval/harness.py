@@ -289,6 +289,7 @@ def evaluate_method(
     """Score one method against the reference; returns its JSON row (see `eval ppl`)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
+    method.prepare(model)
     row: dict[str, Any] = {**method.describe(), "mode": mode}
     reason = getattr(method, "reason", None)
     if isinstance(method, HFQuantizedCache):

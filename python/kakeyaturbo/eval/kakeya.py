@@ -1,7 +1,9 @@
 """The `kakeya` method: the project's codec in the evaluation harness, through the same
 :class:`~kakeyaturbo.pipeline.Pipeline` that ``KakeyaCache`` stores with.
 
-`kakeya` alone is the default recipe (:func:`kakeyaturbo.recipes.default_recipe`); every key of
+`kakeya` alone is the default recipe (:func:`kakeyaturbo.recipes.default_recipe`) with the
+model's own bundle (`calibration=auto`, fitted on first use from text the model samples, then
+cached; `calibration=none` codes without a bundle, fitting frames per passage); every key of
 the spec overrides a `CodecParams` field of both streams (`bits_per_value=2`), a `k_`/`v_` key
 overrides one stream (`v_bits_per_value=4`), `k_token_norms` / `v_token_norms` override the
 recipe's per-token norms, and the shared harness keys (`sink_tokens`, `residual_length`,
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kakeyaturbo.calibration.auto import AUTO
 from kakeyaturbo.eval.methods import Method, MethodOptions, register, stream_params
 from kakeyaturbo.pipeline import CodedBlock, Pipeline
 from kakeyaturbo.recipes import Recipe, default_recipe
@@ -48,33 +51,56 @@ class Kakeya(Method):
     def __init__(self, params: dict[str, Any]):
         super().__init__(params)
         params = dict(params)
-        calib_dir = params.pop("calibration", None)
-        layer_bits = bool(params.pop("layer_bits", True))
-        recipe_changes = {k: params.pop(k) for k in _RECIPE_KEYS if k in params}
-        self.calibration = None
-        if calib_dir is not None:
+        calib = params.pop("calibration", AUTO)
+        self._layer_bits = bool(params.pop("layer_bits", True))
+        self._recipe_changes = {k: params.pop(k) for k in _RECIPE_KEYS if k in params}
+        self._stream_changes = {s: stream_params(params, s) for s in ("k", "v")}
+        #: True until :meth:`prepare` has fitted or found the model's own bundle.
+        self.needs_model = calib == AUTO
+        if calib is None or calib is False or str(calib).lower() == "none" or self.needs_model:
+            self._build(None, "")
+        else:
             from kakeyaturbo.calibration import Calibration
 
-            self.calibration = Calibration.load(str(calib_dir))
-        recipe: Recipe = default_recipe(self.calibration)
-        if not layer_bits:
-            recipe_changes.update(k_layer_bits=(), v_layer_bits=())
-        for s in ("k", "v"):
-            over = stream_params(params, s)
-            if over:
-                recipe_changes[s] = getattr(recipe, s).replace(**over)
-        self.recipe = recipe.replace(**recipe_changes) if recipe_changes else recipe
-        self.label = "kakeyaturbo.recipes.default_recipe" + (
-            f" + {calib_dir}" if calib_dir is not None else ""
-        )
+            self._build(Calibration.load(str(calib)), f" + {calib}")
         self.default_options = MethodOptions(
             sink_tokens=self.recipe.sink_tokens, pre_rope=self.recipe.pre_rope
         )
-        # The harness hands keys already un-rotated (pre_rope option), so the pipeline gets no
-        # positions.
-        self.pipeline = Pipeline(self.recipe, self.calibration)
         #: Set to a dict to keep every row's blocks: {(layer, stream): [blocks of row 0, ...]}.
         self.recorded: dict[tuple[int, str], list[list[CodedBlock]]] | None = None
+
+    def _build(self, calibration, label: str) -> None:
+        self.calibration = calibration
+        recipe: Recipe = default_recipe(calibration)
+        changes = dict(self._recipe_changes)
+        if not self._layer_bits:
+            changes.update(k_layer_bits=(), v_layer_bits=())
+        for s, over in self._stream_changes.items():
+            if over:
+                changes[s] = getattr(recipe, s).replace(**over)
+        self.recipe = recipe.replace(**changes) if changes else recipe
+        self.label = "kakeyaturbo.recipes.default_recipe" + label
+        # The harness hands keys already un-rotated (pre_rope option), so the pipeline gets no
+        # positions.
+        self.pipeline = Pipeline(self.recipe, calibration)
+
+    def prepare(self, model) -> None:
+        """The default ``calibration=auto``: the model's own bundle (fitted on first use from
+        text it samples, then cached; :mod:`kakeyaturbo.calibration.auto`), or none where
+        ``KAKEYATURBO_AUTO_CALIBRATION=0``."""
+        if not self.needs_model:
+            return
+        from kakeyaturbo.calibration.auto import auto_bundle_dir, auto_calibration
+
+        calib = auto_calibration(model)
+        if calib is not None:
+            self._build(calib, f" + auto bundle {auto_bundle_dir(model)}")
+            if (self.recipe.sink_tokens, self.recipe.pre_rope) != (
+                self.default_options.sink_tokens,
+                self.default_options.pre_rope,
+            ):
+                raise AssertionError("the calibrated recipe changed the harness options")
+        self.needs_model = False
 
     @property
     def bits(self):

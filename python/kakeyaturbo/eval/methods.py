@@ -232,6 +232,10 @@ class Method:
     ) -> tuple[torch.Tensor, list[ByteCount]]:
         raise NotImplementedError
 
+    def prepare(self, model) -> None:
+        """Called with the model before the method codes anything (the harness does): a
+        method that fits something to the model does it here. Default: nothing."""
+
     def describe(self) -> dict[str, Any]:
         return {
             "method": self.spec,

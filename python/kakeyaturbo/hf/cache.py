@@ -27,6 +27,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 import kakeyaturbo as kt
 
+from ..calibration.auto import AUTO, auto_calibration
 from ..pipeline import Pipeline
 from ..recipes import Recipe, default_recipe
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
@@ -77,6 +78,10 @@ class KakeyaCache(Cache):
         calibration: a calibration bundle (folder or :class:`~kakeyaturbo.calibration.
             Calibration`): keys are coded pre-RoPE in its query-aware frame and values in their
             PCA frame; without one, frames are fitted on each layer's first coded tokens.
+            ``"auto"`` (what :meth:`from_model` passes unless told): the model's own bundle,
+            fitted on first use from text it samples and cached
+            (:func:`kakeyaturbo.calibration.auto.auto_calibration`); it needs the model, so it
+            is for :meth:`from_model` only.
         k_params, v_params: replace the recipe's codec parameters of keys / values (their
             ``block_size``, the streaming granularity, must be equal).
         residual_length: newest tokens always kept full precision (the hot window).
@@ -192,7 +197,9 @@ class KakeyaCache(Cache):
     ) -> KakeyaCache:
         """Build a cache for ``model`` and change the model: hook its decoder, switch its attention.
 
-        The cache takes the constructor's keyword arguments (none: the default recipe). The
+        The cache takes the constructor's keyword arguments (none: the default recipe with the
+        model's own calibration bundle, fitted on first use and cached: ``calibration="auto"``;
+        ``calibration=None`` codes without one, fitting frames per sequence). The
         model is changed in place: forward hooks on its decoder let the cache see each
         forward's positions and padding (:meth:`detach` removes them), and, unless
         ``coded_attention=False``, its attention implementation becomes ``"kakeya"``.
@@ -206,7 +213,7 @@ class KakeyaCache(Cache):
         """
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
-        kwargs["calibration"] = _load_calibration(kwargs.get("calibration"), model)
+        kwargs["calibration"] = _load_calibration(kwargs.get("calibration", AUTO), model)
         cache = cls(model.config, **kwargs)
         cache.attach(model)
         cache.coded_attention = coded_attention is not False
@@ -422,6 +429,14 @@ def _load_calibration(calibration: Any, model_or_config: Any):
     if calibration is None:
         return None
     from ..calibration import Calibration
+
+    if isinstance(calibration, str) and calibration == AUTO:
+        if not isinstance(model_or_config, torch.nn.Module):
+            raise ValueError(
+                'calibration="auto" fits a bundle on text the model samples: build the cache '
+                "with KakeyaCache.from_model(model), or pass a bundle folder"
+            )
+        return auto_calibration(model_or_config)
 
     if isinstance(calibration, Calibration):
         calibration.check_model(model_or_config)

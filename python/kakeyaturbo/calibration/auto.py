@@ -1,0 +1,117 @@
+"""The bundle every user gets: fitted on first use from text the model samples itself, then
+kept under ``$KAKEYATURBO_CACHE/bundles/`` and reused for that model, as compilers cache what
+they tune. No text, no flags, nothing fitted on what the cache will hold."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from .bundle import Calibration, model_fingerprint
+from .schema import PROBE, CalibrationError
+
+__all__ = ["AUTO", "AUTO_TOKENS", "auto_calibration", "auto_enabled", "auto_bundle_dir"]
+
+#: The ``calibration`` value that asks for this bundle.
+AUTO = "auto"
+#: Sampled tokens the bundle is fitted on (32 sequences of 256): on SmolLM2 4k already measured
+#: as well as 16k, and 8k was ACCEPT where 4k was MARGINAL (docs/recipe.md).
+AUTO_TOKENS = 8192
+#: Bumped when the fit changes, so that bundles of an older fit are not reused.
+AUTO_VERSION = 1
+#: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
+ENV = "KAKEYATURBO_AUTO_CALIBRATION"
+
+
+def auto_enabled() -> bool:
+    v = os.environ.get(ENV, "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
+        raise ValueError(f"{ENV}={v!r}: use 1 (fit a bundle on first use) or 0 (no bundle)")
+    return v in ("1", "true", "on", "yes")
+
+
+def auto_bundle_dir(model) -> Path:
+    """Where the bundle of ``model`` is kept: a hash of its shapes and sampled weights (rounded,
+    so the same checkpoint in another dtype finds it) and of the fit's version."""
+    from ..modeling import cache_dir
+
+    fp = dict(model_fingerprint(model))
+    if PROBE in fp:
+        fp[PROBE] = [f"{v:.3g}" for v in fp[PROBE]]
+    key = json.dumps({"fit": AUTO_VERSION, "tokens": AUTO_TOKENS, **fp}, sort_keys=True)
+    name = f"{fp['model_type']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cache_dir() / "bundles" / name
+
+
+def auto_calibration(model, progress: bool = True) -> Calibration | None:
+    """The model's bundle from the cache, or fitted now (about a minute for a 135M model on two
+    cores) and cached. None when ``KAKEYATURBO_AUTO_CALIBRATION=0``, or where the model cannot be
+    fitted (a warning says why; the cache then fits frames per sequence)."""
+    if not auto_enabled():
+        return None
+    where = auto_bundle_dir(model)
+    if (where / "calibration.json").is_file():
+        try:
+            return Calibration.load(where, model)
+        except CalibrationError as e:  # damaged or stale: fit it again
+            warnings.warn(f"{where}: {e}; fitting it again", stacklevel=2)
+            shutil.rmtree(where, ignore_errors=True)
+    try:
+        calib = fit_sampled(model, progress=progress)
+    except Exception as e:  # noqa: BLE001 - any model the fit cannot run still gets a cache
+        warnings.warn(
+            f"could not fit a calibration bundle for this model ({type(e).__name__}: {e}); "
+            f"frames are fitted per sequence instead (set {ENV}=0 to skip the attempt)",
+            stacklevel=2,
+        )
+        return None
+    _save_atomically(calib, where)
+    return calib
+
+
+def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Calibration:
+    """A bundle fitted on ``tokens`` tokens the model samples itself (no sensitivity scan: the
+    per-layer bits stay at the mean)."""
+    from .fit import calibration_from_moments, collect_moments, default_joint_heads
+    from .sampled_text import sample_sequences
+
+    t0 = time.perf_counter()
+    seqs = sample_sequences(model, tokens=tokens, progress=progress)
+    joint = default_joint_heads(model)
+    moments = collect_moments(model, windows=seqs, progress=progress, joint=joint)
+    meta = {
+        "tokens": sum(len(s) for s in seqs),
+        "ctx": len(seqs[0]),
+        "text_file": "sampled from the model",
+        "auto_fit": AUTO_VERSION,
+        "joint_heads": joint,
+    }
+    calib = calibration_from_moments(model, moments, meta)
+    calib.meta["fit_seconds"] = round(time.perf_counter() - t0, 1)
+    if progress:
+        print(
+            f"kakeyaturbo: fitted a calibration bundle on {meta['tokens']} sampled tokens in "
+            f"{calib.meta['fit_seconds']:.0f} s (kept in {auto_bundle_dir(model)})"
+        )
+    return calib
+
+
+def _save_atomically(calib: Calibration, where: Path) -> None:
+    """Write beside ``where`` and rename, so that a process reading the cache never sees half
+    a bundle and two processes fitting at once both end with a whole one."""
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{where.name}.", dir=where.parent))
+        calib.save(scratch)
+        try:
+            scratch.rename(where)
+        except OSError:  # another process got there first: its bundle is as good
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as e:
+        warnings.warn(f"could not keep the calibration bundle in {where}: {e}", stacklevel=3)
