@@ -14,7 +14,7 @@ import numpy as np
 from . import _core
 from ._arrays import Origin, call_core, count_arg, from_core, to_core
 from ._core import Basis, CodecParams
-from .decode_limit import check_totals, layer_totals
+from .decode_limit import check_decode_limit, layer_totals
 from .recipes import default_recipe
 
 
@@ -159,7 +159,7 @@ def decode_layer(
     ``from_bytes`` decode to numpy (torch for bfloat16) unless ``out`` says otherwise. A
     ceiling set on the decode limit (:mod:`kakeyaturbo.decode_limit`) applies here too."""
     _check_layer(enc, "enc")
-    _within_limit("enc", [enc._raw])
+    check_decode_limit("enc", [enc._raw])
     return from_core(_core.decode_layer(enc._raw, basis=_basis(basis)), enc.dtype, enc._origin, out)
 
 
@@ -210,18 +210,6 @@ def core_layers(encs: Sequence[EncodedLayer]) -> CoreLayers:
     layers = CoreLayers(_raws(encs))
     layers.totals = layer_totals(layers)
     return layers
-
-
-def _within_limit(what: str, *runs: Sequence) -> None:
-    """The decode limit (:mod:`kakeyaturbo.decode_limit`) over every layer of ``runs`` together:
-    what one call may decode or prepare."""
-    decoded = stored = 0
-    for run in runs:
-        d, s = run.totals if isinstance(run, CoreLayers) else layer_totals(run)
-        decoded += d
-        stored += s
-    if runs:
-        check_totals(decoded, stored, f"{what}: {sum(len(r) for r in runs)} layers")
 
 
 def _type_name(x: Any) -> str:
@@ -275,7 +263,7 @@ def decode_batch(encs: Sequence[EncodedLayer], out: Optional[str] = None, bases:
     dtypes = {e.dtype for e in encs}
     if len(dtypes) != 1:
         raise ValueError(f"encs: mixed dtypes {sorted(dtypes)}")
-    _within_limit("encs", raws)  # the core's own check, with KAKEYATURBO_MAX_DECODED_BYTES
+    check_decode_limit("encs", raws)  # the core's own check, with KAKEYATURBO_MAX_DECODED_BYTES
     values = _core.decode_batch(raws, bases=_bases(bases))
     return from_core(values, encs[0].dtype, encs[0]._origin, out)
 
@@ -338,7 +326,7 @@ def coded_key_logits(
     Layers declaring more decoded bytes in total than the decode limit allows
     (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
     raws = _raws(encs)
-    _within_limit("encs", raws)
+    check_decode_limit("encs", raws)
     return call_core(
         _core.coded_key_logits,
         encs=raws,
@@ -379,7 +367,7 @@ def coded_value_sums(
     Layers declaring more decoded bytes in total than the decode limit allows
     (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
     raws = _raws(encs)
-    _within_limit("encs", raws)
+    check_decode_limit("encs", raws)
     return call_core(
         _core.coded_value_sums,
         encs=raws,
@@ -456,7 +444,7 @@ def coded_attend(
     Layers declaring more decoded bytes in total than the decode limit allows
     (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
     keys, values = _raws(key_encs, "key_encs"), _raws(value_encs, "value_encs")
-    _within_limit("key_encs and value_encs", keys, values)
+    check_decode_limit("key_encs and value_encs", keys, values)
     return call_core(
         _core.coded_attend,
         ("rotation",) if prepared is not None else (),
@@ -511,7 +499,7 @@ def prepare_keys(
     Layers declaring more decoded bytes in total than the decode limit allows
     (:mod:`kakeyaturbo.decode_limit`) are a ``FormatError``, before anything is allocated."""
     keys = _raws(key_encs, "key_encs")
-    _within_limit("key_encs", keys)
+    check_decode_limit("key_encs", keys)
     return call_core(
         _core.prepare_keys,
         ("rotation",),

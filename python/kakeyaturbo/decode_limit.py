@@ -88,6 +88,13 @@ def check_totals(decoded: int, stored: int, what: str) -> None:
         )
 
 
-def check_decode_limit(layers: Sequence[Any], what: str) -> None:
-    """:func:`check_totals` of ``layers`` (see :func:`layer_totals`) together."""
-    check_totals(*layer_totals(layers), f"{what}: {len(layers)} layers")
+def check_decode_limit(what: str, *runs: Sequence[Any]) -> None:
+    """:func:`check_totals` of every layer of ``runs`` together (see :func:`layer_totals`):
+    what one call may decode or prepare. A run that carries its ``totals`` (the codec's
+    ``CoreLayers``, counted once when made) is not counted again."""
+    decoded = stored = 0
+    for run in runs:
+        d, s = getattr(run, "totals", None) or layer_totals(run)
+        decoded += d
+        stored += s
+    check_totals(decoded, stored, f"{what}: {sum(len(r) for r in runs)} layers")

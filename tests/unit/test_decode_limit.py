@@ -72,15 +72,15 @@ def test_core_layers_count_their_bytes_once(blob):
 
 def test_the_environment_lowers_the_cap(blob, monkeypatch):
     small = [kt.encode_layer(np.ones((64, 16), np.float32))] * 2
-    check_decode_limit(small, "x")
+    check_decode_limit("x", small)
     monkeypatch.setenv(ENV, "4096")  # 2 x 64 x 16 x 4 = 8192 bytes declared
     with pytest.raises(kt.FormatError, match=rf"x: 2 layers .* \(4096 bytes; {ENV} or set_decode"):
-        check_decode_limit(small, "x")
+        check_decode_limit("x", small)
     with pytest.raises(kt.FormatError, match="decode limit"):
         kt.decode_batch(small)
     monkeypatch.setenv(ENV, "lots")
     with pytest.raises(ValueError, match=f"{ENV}='lots': expected a whole number"):
-        check_decode_limit(small, "x")
+        check_decode_limit("x", small)
 
 
 def test_set_decode_limit_lowers_the_cap_until_removed(blob):
@@ -97,7 +97,7 @@ def test_set_decode_limit_lowers_the_cap_until_removed(blob):
         prepare_keys(small, 2, background=False)
     finally:
         set_decode_limit(None)
-    check_decode_limit([blob] * 4, "x")  # 64 MiB: the floor again
+    check_decode_limit("x", [blob] * 4)  # 64 MiB: the floor again
     with pytest.raises(ValueError, match="must be >= 0"):
         set_decode_limit(-1)
     with pytest.raises(TypeError, match="expected an int or None"):

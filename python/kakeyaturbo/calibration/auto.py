@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from .bundle import Calibration, model_fingerprint
-from .schema import PROBE, CalibrationError
+from .schema import META_FILE, PROBE, CalibrationError
 
 __all__ = ["AUTO", "AUTO_TOKENS", "auto_calibration", "auto_enabled", "auto_bundle_dir"]
 
@@ -56,7 +56,7 @@ def auto_calibration(model, progress: bool = True) -> Calibration | None:
     if not auto_enabled():
         return None
     where = auto_bundle_dir(model)
-    if (where / "calibration.json").is_file():
+    if (where / META_FILE).is_file():
         try:
             return Calibration.load(where, model)
         except CalibrationError as e:  # damaged or stale: fit it again
@@ -72,6 +72,11 @@ def auto_calibration(model, progress: bool = True) -> Calibration | None:
         )
         return None
     _save_atomically(calib, where)
+    if progress:
+        print(
+            f"kakeyaturbo: fitted a calibration bundle on {calib.meta['tokens']} sampled tokens "
+            f"in {calib.meta['fit_seconds']:.0f} s (kept in {where})"
+        )
     return calib
 
 
@@ -94,11 +99,6 @@ def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Cali
     }
     calib = calibration_from_moments(model, moments, meta)
     calib.meta["fit_seconds"] = round(time.perf_counter() - t0, 1)
-    if progress:
-        print(
-            f"kakeyaturbo: fitted a calibration bundle on {meta['tokens']} sampled tokens in "
-            f"{calib.meta['fit_seconds']:.0f} s (kept in {auto_bundle_dir(model)})"
-        )
     return calib
 
 

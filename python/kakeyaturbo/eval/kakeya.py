@@ -57,7 +57,7 @@ class Kakeya(Method):
         self._stream_changes = {s: stream_params(params, s) for s in ("k", "v")}
         #: True until :meth:`prepare` has fitted or found the model's own bundle.
         self.needs_model = calib == AUTO
-        if calib is None or calib is False or str(calib).lower() == "none" or self.needs_model:
+        if calib is None or calib is False or self.needs_model:
             self._build(None, "")
         else:
             from kakeyaturbo.calibration import Calibration

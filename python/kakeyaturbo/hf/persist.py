@@ -101,7 +101,7 @@ def _check_decode_budget(encoded_layers: list[bytes]) -> list[kt.EncodedLayer]:
         except kt.KakeyaTurboError as exc:
             raise CacheFileError(f"a coded stream is refused by the codec: {exc}") from None
     try:
-        check_decode_limit(out, "the coded streams")
+        check_decode_limit("the coded streams", out)
     except kt.KakeyaTurboError as exc:
         raise CacheFileError(str(exc)) from None
     return out
