@@ -39,12 +39,11 @@ families() { for f in "${KAKEYA[@]}" "$@"; do printf -- '--family\n%s\n' "$f"; d
 DEFAULTS=(--method kakeya --method "kakeya:calibration=$C" --method "kakeya:calibration=$C,bits_per_value=2"
   --method "kakeya:calibration=$C,bits_per_value=3.25" --method "kakeya:calibration=$CP,$AT_2P5")
 
-# Bundles already there are reused (delete artifacts/ to fit them again: about 30 minutes for
-# the default, 8 for the per-head one).
+# Bundles already there are reused (delete artifacts/ to fit them again: a few minutes each).
 [ -f "$C/calibration.json" ] ||
-  kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$C" --tokens 30000
+  kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$C"
 [ -f "$CP/calibration.json" ] ||
-  kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CP" --tokens 30000 \
+  kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CP" \
     --no-joint-heads --sensitivity-mode snapshot
 kakeyaturbo eval ppl "${COMMON[@]}" --mode in-forward --out reports/in_forward.json "${DEFAULTS[@]}" \
   --method kivi:bits=4 --method kivi:bits=3 --method turboquant:bits=4 --method fp8

@@ -40,7 +40,7 @@ kakeyaturbo bench artifacts/kv.safetensors --tensor layer2.k_pre_rope --allocati
 
 stage 4 "the default recipe against its peers, end to end on SmolLM2 (4 passages)"
 # One run, the same passages for every method: the default (no flags: the model's own bundle,
-# fitted on first use from text it samples, about a minute, then cached) beside KIVI-4,
+# fitted on first use from text it samples, about 3.5 minutes, then cached) beside KIVI-4,
 # TurboQuant-4 and fp8, each scored against the uncompressed model.
 if [ "$EVAL" = 1 ]; then
   kakeyaturbo eval sweep --model "$MODEL" --text "$TEXT" --ctx 960 --n-eval 64 --passages 4 \

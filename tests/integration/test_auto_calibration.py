@@ -58,12 +58,25 @@ def test_from_model_fits_once_then_reuses_the_cached_bundle(model, auto_on, monk
     saved = Calibration.load(where, model)  # a whole, valid bundle for this model
     assert saved.meta["text_file"] == "sampled from the model"
     assert saved.meta["tokens"] == auto_mod.AUTO_TOKENS
+    # Per-layer bits from the scan on sampled passages, both protocols, and the recipe takes
+    # them: the streams' rates differ by layer around the mean.
+    scan = saved.meta["sensitivity"]
+    assert scan["mode"] == "both" and scan["passages"] == auto_mod.SCAN_PASSAGES
+    offsets = scan["offsets"]["k"] + scan["offsets"]["v"]
+    assert abs(sum(offsets)) < 1e-3 and max(offsets) - min(offsets) > 0.1
+    assert cache.recipe.k_layer_bits == tuple(scan["offsets"]["k"])
     # The second cache reads the bundle from disk: sampling again would raise.
     monkeypatch.setattr(auto_mod, "fit_sampled", _no_fit)
     again = KakeyaCache.from_model(model, coded_attention=False)
     again.detach()
     for name, t in cache.calibration.tensors.items():
         assert (again.calibration.tensors[name] == t).all(), name
+
+
+def test_one_bundle_for_the_checkpoint_in_float32_and_bfloat16(model, auto_on):
+    import copy
+
+    assert auto_bundle_dir(copy.deepcopy(model).to(torch.bfloat16)) == auto_bundle_dir(model)
 
 
 def test_a_damaged_cached_bundle_is_fitted_again(model, auto_on):

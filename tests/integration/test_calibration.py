@@ -255,6 +255,11 @@ def test_sensitivity_scan_modes(bundle, model_and_tok, calib_text):
         assert both["offsets"][s] == pytest.approx(want[s], abs=2e-4)
     with pytest.raises(ValueError, match="mode"):
         scan(model, tok, bundle[1], calib_text, mode="chunked", **kw)
+    # Measured in-forward KLs (a prefill per stream; the estimate's accuracy is test_fisher.py's).
+    measured = scan(model, tok, bundle[1], calib_text, mode="in-forward", exact=True, **kw)
+    for s in "kv":
+        assert measured["kl"][s][-1] == pytest.approx(snap["kl"][s][-1], rel=1e-4)
+    assert sum(measured["kl"]["k"] + measured["kl"]["v"]) > sum(snap["kl"]["k"] + snap["kl"]["v"])
 
 
 def test_post_rope_moments_rotate_queries_and_keys_only(model_and_tok, calib_text):

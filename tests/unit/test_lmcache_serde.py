@@ -1,13 +1,17 @@
 """The ``kakeya`` LMCache serde without a store: registration, options, the container's
-header and checksum, the size bound on hostile chunks, and a fuzz of the deserializer."""
+header and checksum, the size bound on hostile chunks (a grid, and a property over shapes,
+dtypes and contents), and a fuzz of the deserializer."""
 
 from __future__ import annotations
 
 import os
 import zlib
+from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lmcache_chunks import KINDS, hostile_chunk, ref_codec
 from lmcache_env import require_lmcache
 
@@ -65,6 +69,115 @@ def test_size_bound_holds_on_hostile_chunks(codec, kind, tokens):
     out = torch.empty_like(x)
     codec.decode(memoryview(data), out)
     assert torch.isfinite(out.float()).all()
+
+
+@dataclass
+class _Obj:
+    """What the serde reads of LMCache's ``MemoryObj``: its tensor."""
+
+    tensor: torch.Tensor
+
+
+#: Token counts at the edges: one token, around the 4 sinks, the raw ones below 16 and the
+#: first coded ones, powers of two, and the chunk size (256, also the recipe's block size).
+_EDGE_TOKENS = (1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 128, 255, 256)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CONTENTS = ("gauss", "const", "zeros", "outlier", "alternating", "extremes", "nan", "inf")
+_SCALES = st.one_of(st.sampled_from([1e-6, 1e4]), st.floats(-6, 4).map(lambda e: 10.0**e)).flatmap(
+    lambda s: st.sampled_from([s, -s])
+)
+
+
+def _content(kind: str, tokens: int, dtype: torch.dtype, scale: float, seed: int) -> torch.Tensor:
+    """``[2, 6, tokens, 128]`` of one kind, in ``dtype`` (finite kinds clamped to its range)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 6, tokens, 128)
+    top = torch.finfo(dtype).max
+    if kind == "const":
+        x = torch.full(shape, scale)
+    elif kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "alternating":  # signs flip along tokens and along channels
+        sign = torch.ones(tokens, 128)
+        sign[1::2] *= -1
+        sign[:, 1::2] *= -1
+        x = (scale * sign).expand(shape).clone()
+    elif kind == "extremes":  # the dtype's largest values, both signs in every row
+        x = torch.full(shape, top)
+        x[..., 1::2] = -top
+    else:
+        x = scale * torch.randn(shape, generator=g)
+        if kind == "outlier":  # one channel 100x the others, in every layer and head
+            x[..., seed % 128] *= 100
+        elif kind in ("nan", "inf"):
+            x.view(-1)[seed % x.numel()] = float(kind)
+    if kind not in ("nan", "inf"):
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
+#: (tokens, dtype) -> the estimate the first example of that layout got.
+_ESTIMATES: dict = {}
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens=st.one_of(st.sampled_from(_EDGE_TOKENS), st.integers(1, 256)),
+    dtype=st.sampled_from(_DTYPES),
+    kind=st.sampled_from(_CONTENTS),
+    scale=_SCALES,
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_size_estimate_bounds_every_object(codec, tokens, dtype, kind, scale, seed):
+    """LMCache allocates ``estimate_serialized_size`` bytes per object from the layout alone:
+    what ``serialize`` writes must fit it for any content, and load back to the chunk's shape,
+    finite (bit for bit where the chunk is stored raw). NaN and inf are refused when stored."""
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    import kakeyaturbo.lmcache.container as ct
+    from kakeyaturbo.lmcache.serde import KakeyaDeserializer, KakeyaSerializer
+
+    ser, de = KakeyaSerializer(codec), KakeyaDeserializer(codec)
+    x = _content(kind, tokens, dtype, scale, seed)
+    layout = MemoryLayoutDesc(shapes=[x.shape], dtypes=[dtype])
+    bound = ser.estimate_serialized_size(layout)
+    again = MemoryLayoutDesc(shapes=[torch.Size([2, 6, tokens, 128])], dtypes=[dtype])
+    assert ser.estimate_serialized_size(again) == bound
+    assert _ESTIMATES.setdefault((tokens, dtype), bound) == bound  # whatever the content
+    # Room past the bound, so that an overflow is measured here rather than refused.
+    dst = _Obj(torch.zeros(2 * x.numel() * x.element_size() + 4096, dtype=torch.uint8))
+    if kind in ("nan", "inf"):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            ser.serialize(_Obj(x), dst, None)
+        return
+    n = ser.serialize(_Obj(x), dst, None)
+    assert n <= bound
+    assert ser.estimate_serialized_size(layout) == bound
+    written = dst.tensor[:n]
+    h = ct.unpack(memoryview(written.numpy()))[0]
+    assert not written[ct.OVERHEAD + h.payload_len :].any()  # past the object: zero padding
+    out = _Obj(torch.full_like(x, float("nan")))  # a value left unwritten would show
+    de.deserialize(_Obj(written), out, None)
+    assert out.tensor.shape == x.shape and out.tensor.dtype == dtype
+    if h.mode == ct.MODE_RAW:
+        assert torch.equal(out.tensor.view(torch.uint8), x.view(torch.uint8))
+    else:
+        assert torch.isfinite(out.tensor.float()).all()
+
+
+def test_forged_fallback_past_the_dtype_is_refused(codec):
+    import struct
+
+    import kakeyaturbo.lmcache.container as ct
+    from kakeyaturbo.lmcache import KakeyaFormatError
+
+    # Fallback rows whose float32 minimum is past bfloat16's range: infinite once in the chunk.
+    shape, values = (2, 6, 16, 128), 2 * 6 * 16 * 128
+    rows = values // 64
+    payload = bytes(values * 2 // 8) + struct.pack("<ff", 3.4e38, 0.0) * rows
+    head = ct.Header(ct.MODE_FALLBACK, "bfloat16", shape, 2, 64, 2, 0, len(payload))
+    with pytest.raises(KakeyaFormatError, match="non-finite"):
+        codec.decode(memoryview(ct.pack(head, payload)), torch.empty(shape, dtype=torch.bfloat16))
 
 
 def test_real_chunk_round_trip_is_close(codec, real_kv):

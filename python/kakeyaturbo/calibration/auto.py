@@ -23,8 +23,11 @@ AUTO = "auto"
 #: Sampled tokens the bundle is fitted on (32 sequences of 256): on SmolLM2 4k already measured
 #: as well as 16k, and 8k was ACCEPT where 4k was MARGINAL (docs/recipe.md).
 AUTO_TOKENS = 8192
+#: The sensitivity scan's sampled passages, each SCAN_CTX + SCAN_EVAL + 1 tokens (the
+#: evaluation's window; shorter where the model's positions end first).
+SCAN_PASSAGES, SCAN_CTX, SCAN_EVAL = 4, 960, 64
 #: Bumped when the fit changes, so that bundles of an older fit are not reused.
-AUTO_VERSION = 1
+AUTO_VERSION = 2
 #: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
 ENV = "KAKEYATURBO_AUTO_CALIBRATION"
 
@@ -37,20 +40,24 @@ def auto_enabled() -> bool:
 
 
 def auto_bundle_dir(model) -> Path:
-    """Where the bundle of ``model`` is kept: a hash of its shapes and sampled weights (rounded,
-    so the same checkpoint in another dtype finds it) and of the fit's version."""
+    """Where the bundle of ``model`` is kept: a hash of its shapes and sampled weights (rounded
+    to bfloat16 first, so the checkpoint in float32 or bfloat16 finds one bundle) and of the
+    fit's version."""
+    import torch
+
     from ..modeling import cache_dir
 
     fp = dict(model_fingerprint(model))
     if PROBE in fp:
-        fp[PROBE] = [f"{v:.3g}" for v in fp[PROBE]]
+        probe = torch.tensor(fp[PROBE], dtype=torch.float32).to(torch.bfloat16).tolist()
+        fp[PROBE] = [f"{v:.3g}" for v in probe]
     key = json.dumps({"fit": AUTO_VERSION, "tokens": AUTO_TOKENS, **fp}, sort_keys=True)
     name = f"{fp['model_type']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     return cache_dir() / "bundles" / name
 
 
 def auto_calibration(model, progress: bool = True) -> Calibration | None:
-    """The model's bundle from the cache, or fitted now (about a minute for a 135M model on two
+    """The model's bundle from the cache, or fitted now (3.4 minutes for a 135M model on two
     cores) and cached. None when ``KAKEYATURBO_AUTO_CALIBRATION=0``, or where the model cannot be
     fitted (a warning says why; the cache then fits frames per sequence)."""
     if not auto_enabled():
@@ -81,8 +88,8 @@ def auto_calibration(model, progress: bool = True) -> Calibration | None:
 
 
 def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Calibration:
-    """A bundle fitted on ``tokens`` tokens the model samples itself (no sensitivity scan: the
-    per-layer bits stay at the mean)."""
+    """A bundle fitted on ``tokens`` tokens the model samples itself, its per-layer bits from
+    the sensitivity scan on :data:`SCAN_PASSAGES` more sampled sequences."""
     from .fit import calibration_from_moments, collect_moments, default_joint_heads
     from .sampled_text import sample_sequences
 
@@ -98,8 +105,45 @@ def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Cali
         "joint_heads": joint,
     }
     calib = calibration_from_moments(model, moments, meta)
+    scan = _scan_sampled(model, calib, progress)
+    if scan is not None:
+        calib.meta["sensitivity"] = scan
     calib.meta["fit_seconds"] = round(time.perf_counter() - t0, 1)
     return calib
+
+
+def _scan_sampled(model, calib: Calibration, progress: bool) -> dict | None:
+    """The sensitivity scan (``kakeyaturbo.eval.sensitivity``, both protocols) on sequences the
+    model samples with another seed than the frames' text; None where the model's positions
+    leave no room for a coded block before the scored tokens (every layer then gets the mean
+    rate)."""
+    import torch
+
+    from ..eval.sensitivity import scan_passages
+    from ..modeling import Passage
+    from .sampled_text import sample_sequences
+
+    ctx = min(SCAN_CTX, _max_positions(model) - SCAN_EVAL - 1)
+    if ctx < 2 * SCAN_EVAL:
+        return None
+    length = ctx + SCAN_EVAL + 1
+    seqs = sample_sequences(
+        model, tokens=SCAN_PASSAGES * length, batch=SCAN_PASSAGES, seed=1, progress=progress
+    )
+    passages = [Passage(i, 0, torch.tensor(s[:length])) for i, s in enumerate(seqs)]
+    scratch = tempfile.mkdtemp(prefix="kakeyaturbo-scan-")
+    try:  # the scan reads the bundle from a folder
+        return scan_passages(
+            model, calib.save(scratch), passages, ctx, SCAN_EVAL, progress=progress, mode="both"
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _max_positions(model) -> int:
+    from ..hf.layer_plan import text_config
+
+    return int(getattr(text_config(model.config), "max_position_embeddings", None) or 1 << 30)
 
 
 def _save_atomically(calib: Calibration, where: Path) -> None:

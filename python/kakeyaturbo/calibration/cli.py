@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from ..cli_args import (
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_argument(p)
     add_text_argument(p, "calibration text (never the evaluation text)")
     p.add_argument("--out", required=True, type=Path, help="bundle folder to write")
-    p.add_argument("--tokens", type=int_at_least(1), default=200_000, help="calibration tokens")
+    p.add_argument("--tokens", type=int_at_least(1), default=30_000, help="calibration tokens")
     p.add_argument(
         "--ctx", type=int_at_least(1), default=1024, help="window length of each forward pass"
     )
@@ -36,9 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["snapshot", "in-forward", "both"],
         default="both",
         help="protocol of the scan: snapshot (each layer alone on exact inputs), in-forward "
-        "(each layer's error carried through the layers above it) or both (the geometric "
-        "mean of their KLs, the default: the bits then hold in both modes; twice the scan "
-        "time of one)",
+        "(each layer's error carried through the layers above it, estimated from one pass) or "
+        "both (the geometric mean of their KLs, the default: the bits then hold in both modes)",
+    )
+    p.add_argument(
+        "--sensitivity-samples",
+        type=int_at_least(1),
+        default=4,
+        help="draws per passage of the in-forward estimate (kakeyaturbo.eval.fisher)",
+    )
+    p.add_argument(
+        "--sensitivity-exact",
+        action="store_true",
+        help="measure the in-forward KLs instead of estimating them: a prefill per layer's "
+        "stream and passage (about 20 minutes for SmolLM2 on 2 cores, against 1 for the "
+        "estimate; see docs/calibration.md for what it buys)",
     )
     p.add_argument(
         "--value-metric",
@@ -70,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ..modeling import load_model
     from .fit import calibrate
 
+    t0 = time.perf_counter()
     model, tok = load_model(args.model)
     calib = calibrate(
         model,
@@ -82,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         joint_heads=args.joint_heads,
         command=command_line(args),
     )
+    print(f"frames fitted on {calib.meta['tokens']} tokens ({_since(t0)} so far)")
     if args.sensitivity_passages > 0:
         from ..eval.sensitivity import scan
 
@@ -97,13 +112,21 @@ def run(args: argparse.Namespace) -> int:
                 args.text,
                 passages=args.sensitivity_passages,
                 mode=args.sensitivity_mode,
+                samples=args.sensitivity_samples,
+                exact=args.sensitivity_exact,
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         print("per-layer bit offsets:", calib.meta["sensitivity"]["offsets"])
+    calib.meta["fit_seconds"] = round(time.perf_counter() - t0, 1)
     out = calib.save(args.out)
     print(
         f"wrote calibration bundle {out} ({calib.meta['tokens']} tokens, "
-        f"{calib.nbytes / 1e6:.2f} MB of tensors)"
+        f"{calib.nbytes / 1e6:.2f} MB of tensors) in {_since(t0)}"
     )
     return 0
+
+
+def _since(t0: float) -> str:
+    s = time.perf_counter() - t0
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"

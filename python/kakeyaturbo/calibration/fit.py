@@ -249,7 +249,7 @@ def calibrate(
     model,
     tokenizer,
     text_file: str | Path,
-    tokens: int = 200_000,
+    tokens: int = 30_000,
     ctx: int = 1024,
     ridge: float = 1e-3,
     progress: bool = True,

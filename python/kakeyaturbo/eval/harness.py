@@ -33,12 +33,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+import kakeyaturbo.hf.int8_rows as int8_rows
 from kakeyaturbo.eval import hot_window
 from kakeyaturbo.eval.baselines import bf16_round
 from kakeyaturbo.eval.hf_baselines import HFQuantizedCache
 from kakeyaturbo.eval.methods import ByteCount, Method
 from kakeyaturbo.eval.metrics import PassageScores, passage_scores, summarize
-from kakeyaturbo.hf import CACHE_ARG, int8_rows
+from kakeyaturbo.hf._compat import CACHE_ARG
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import Passage
 

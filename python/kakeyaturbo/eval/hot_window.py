@@ -27,9 +27,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kakeyaturbo.hf import int8_rows
-from kakeyaturbo.hf.cache import DEFAULT_RESIDUAL_LENGTH
+import kakeyaturbo.hf.int8_rows as int8_rows
 from kakeyaturbo.hf.coded_bias import mask_bias
+from kakeyaturbo.hf.hot_window import DEFAULT_RESIDUAL_LENGTH
 
 __all__ = ["HOT_WINDOW", "NAME", "exact_window", "stash"]
 

@@ -246,6 +246,18 @@ class Method:
         }
 
 
+def attach_options(
+    method: Method, spec: str, common: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Method:
+    """Give ``method`` its spec and its shared options (its defaults < ``common`` < ``extra``)."""
+    method.spec = spec.strip()
+    opts = MethodOptions.from_params(common, method.default_options)
+    if extra:
+        opts = MethodOptions.from_params(extra, opts)
+    method.options = opts
+    return method
+
+
 MethodFactory = Callable[[dict[str, Any]], Method]
 
 

@@ -11,7 +11,7 @@ from kakeyaturbo.eval.methods import (
     METHOD_HELP,
     METHODS,
     Method,
-    MethodOptions,
+    attach_options,
     parse_spec,
 )
 
@@ -24,10 +24,4 @@ def build_method(spec: str, extra_options: dict[str, Any] | None = None) -> Meth
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(METHODS))}")
     common = {k: params.pop(k) for k in COMMON_KEYS if k in params}
-    method = METHODS[name](params)
-    method.spec = spec.strip()
-    opts = MethodOptions.from_params(common, method.default_options)
-    if extra_options:
-        opts = MethodOptions.from_params(extra_options, opts)
-    method.options = opts
-    return method
+    return attach_options(METHODS[name](params), spec, common, extra_options)

@@ -1,20 +1,37 @@
 """The per-layer sensitivity scan behind a calibration bundle's per-layer bits: the KL of
 compressing one layer's keys (or values) alone, on calibration text; the offsets follow in
-:mod:`kakeyaturbo.calibration.sensitivity`."""
+:mod:`kakeyaturbo.calibration.sensitivity`.
+
+Every layer is coded once per passage. The snapshot KL of each stream is then measured
+exactly: the scored continuation is run again with only that stream's prefix replaced by its
+reconstruction (a forward pass of the continuation alone). The in-forward KL, where the error
+also travels through the prefill of the layers above, would take a whole prefill per stream;
+it is the snapshot KL times the amplification that :mod:`kakeyaturbo.eval.fisher` estimates
+for all streams from one pass (its second-order estimates of the two protocols, on the same
+draws)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from kakeyaturbo.calibration.sensitivity import joint_offsets
-from kakeyaturbo.eval.harness import evaluate_method, prepare_reference
-from kakeyaturbo.eval.registry import build_method
-from kakeyaturbo.modeling import cut_passages, read_text, tokenize_text
+from kakeyaturbo.eval.fisher import fisher_along
+from kakeyaturbo.eval.harness import compress_stream, evaluate_method, prepare_reference
+from kakeyaturbo.eval.kakeya_codec import KakeyaCodec
+from kakeyaturbo.eval.methods import attach_options
+from kakeyaturbo.eval.metrics import passage_scores, summarize
+from kakeyaturbo.hf._compat import CACHE_ARG
+from kakeyaturbo.hf.rope import ModelRope
+from kakeyaturbo.modeling import Passage, cut_passages, read_text, tokenize_text
 
-__all__ = ["scan"]
+__all__ = ["scan", "scan_passages"]
+
+MODES = ("snapshot", "in-forward", "both")
 
 
 def scan(
@@ -28,35 +45,88 @@ def scan(
     probe_bits: float = 2.0,
     progress: bool = True,
     mode: str = "snapshot",
+    samples: int = 4,
+    exact: bool = False,
 ) -> dict:
-    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``; ``mode``
-    "in-forward" measures each layer with its error carried through the layers above it, and
-    "both" takes the geometric mean of the two protocols' KLs, so each layer's offset is the
-    mean of the two protocols' offsets: bits for a cache that serves finished prefills and
-    chunked prefills alike. (A sum lets the larger in-forward KLs decide: on SmolLM2 it left
-    the copying test MARGINAL, where the geometric mean is ACCEPT; see docs/recipe.md.)"""
-    if mode not in ("snapshot", "in-forward", "both"):
+    """The scan on ``passages`` windows of ``text_file`` (see :func:`scan_passages`)."""
+    if mode not in MODES:
         raise ValueError(f"mode must be snapshot, in-forward or both, not {mode!r}")
     ids = tokenize_text(tokenizer, read_text(text_file))
     ps = cut_passages(ids, passages, ctx + n_eval + 1)
-    ref = prepare_reference(model, ps, ctx, n_eval)
-    n_layers = model.config.num_hidden_layers
+    return scan_passages(
+        model, bundle_dir, ps, ctx, n_eval, probe_bits, progress, mode, samples, exact
+    )
+
+
+def scan_passages(
+    model,
+    bundle_dir: str | Path,
+    passages: list[Passage],
+    ctx: int,
+    n_eval: int,
+    probe_bits: float = 2.0,
+    progress: bool = True,
+    mode: str = "snapshot",
+    samples: int = 4,
+    exact: bool = False,
+) -> dict:
+    """Per-layer KL of compressing one layer's K (or V) alone at ``probe_bits``. ``mode``
+    "in-forward" scales each snapshot KL by its estimated in-forward amplification, and "both"
+    takes the geometric mean of the two protocols' KLs, so each layer's offset is the mean of
+    the two protocols' offsets: bits for a cache that serves finished prefills and chunked
+    prefills alike. (A sum lets the larger in-forward KLs decide: on SmolLM2 it left the
+    copying test MARGINAL, where the geometric mean is ACCEPT; see docs/recipe.md.)
+    ``samples``: the draws of the amplification estimate, per passage. ``exact``: measure the
+    in-forward KLs instead, a prefill of every passage per stream (on SmolLM2 about 10x the
+    time of the rest of the scan)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be snapshot, in-forward or both, not {mode!r}")
+    ref = prepare_reference(model, passages, ctx, n_eval, batch=2)
+    method = _probe(bundle_dir, probe_bits)
+    rope = ModelRope(model.config) if method.options.pre_rope else None
+    streams = [(li, s) for s in ("k", "v") for li in range(model.config.num_hidden_layers)]
+    scores: dict[tuple[int, str], list] = {w: [] for w in streams}
+    fisher = {"cached": dict.fromkeys(streams, 0.0), "carried": dict.fromkeys(streams, 0.0)}
+    steps = len(ref.batches) * (len(streams) + (mode != "snapshot" and not exact))
+    bar = tqdm(total=steps, desc="sensitivity", disable=not progress)
+    for batch in ref.batches:
+        coded = {}
+        for w in streams:
+            held = _exact(batch.cache, w)
+            # Sliding-window layers are never coded (as in KakeyaCache): no error, KL 0.
+            sliding = getattr(batch.cache.layers[w[0]], "is_sliding", False)
+            coded[w] = held if sliding else compress_stream(method, held, *w, rope)[0]
+        for w in streams:
+            with torch.inference_mode():
+                logits = _continue_with(model, batch.cache, batch.cont, w, coded[w])
+            scores[w].extend(passage_scores(batch.logits, logits, batch.targets))
+            bar.update()
+        if mode != "snapshot" and not exact:
+            errors = {w: coded[w] - _exact(batch.cache, w) for w in streams}
+            est = fisher_along(model, batch.prefix, batch.cont, batch.cache, errors, samples)
+            for p in fisher:
+                for w in streams:
+                    fisher[p][w] += est[p][w] * len(batch.passages)
+            bar.update()
+    bar.close()
+    snap = {s: [summarize(scores[(li, s)]).kl for li, t in streams if t == s] for s in "kv"}
+    per_mode = {"snapshot": snap}
+    if mode != "snapshot" and exact:
+        per_mode["in-forward"] = _measured_in_forward(model, ref, streams, bundle_dir, probe_bits)
+    elif mode != "snapshot":
+        per_mode["in-forward"] = {
+            s: [
+                kl * _amplification(fisher["carried"][(li, s)], fisher["cached"][(li, s)])
+                for li, kl in enumerate(snap[s])
+            ]
+            for s in "kv"
+        }
     modes = ("snapshot", "in-forward") if mode == "both" else (mode,)
-    per_mode: dict[str, dict[str, list[float]]] = {m: {"k": [], "v": []} for m in modes}
-    jobs = [(s, i) for s in ("k", "v") for i in range(n_layers)]
-    for s, i in tqdm(jobs, desc="sensitivity", disable=not progress):
-        spec = (
-            f"kakeya:calibration={bundle_dir},layer_bits=false,bits_per_value={probe_bits},"
-            f"layers={i},streams={s},passthrough=exact"
-        )
-        method = build_method(spec)  # one bundle load per stream, whatever the modes
-        for m in modes:
-            per_mode[m][s].append(float(evaluate_method(model, ref, method, m)["kl"]))
     kl = {s: [_geomean(v) for v in zip(*(per_mode[m][s] for m in modes))] for s in ("k", "v")}
     out = {
         "mode": mode,
         "probe_bits": probe_bits,
-        "passages": passages,
+        "passages": len(passages),
         "kl": kl,
         "offsets": joint_offsets(kl),
     }
@@ -65,6 +135,46 @@ def scan(
         out["blend"] = "geometric mean"
         out["kl_by_mode"] = per_mode
     return out
+
+
+def _measured_in_forward(model, ref, streams, bundle_dir, probe_bits) -> dict[str, list[float]]:
+    kl: dict[str, list[float]] = {"k": [], "v": []}
+    for li, s in tqdm(streams, desc="in-forward, measured"):
+        method = _probe(bundle_dir, probe_bits, layers=li, streams=s)
+        kl[s].append(float(evaluate_method(model, ref, method, "in-forward")["kl"]))
+    return kl
+
+
+def _probe(bundle_dir, probe_bits: float, **only) -> KakeyaCodec:
+    """The codec in the bundle's frames at ``probe_bits`` everywhere (no per-layer bits), what
+    it does not code left exact; ``only``: the shared ``layers`` / ``streams`` options."""
+    params = {"calibration": str(bundle_dir), "layer_bits": False, "bits_per_value": probe_bits}
+    spec = f"kakeya:calibration={bundle_dir},layer_bits=false,bits_per_value={probe_bits}"
+    return attach_options(KakeyaCodec(params), spec, {"passthrough": "exact", **only})
+
+
+def _exact(cache, w: tuple[int, str]) -> torch.Tensor:
+    layer = cache.layers[w[0]]
+    return layer.keys if w[1] == "k" else layer.values
+
+
+def _continue_with(model, cache, cont, w: tuple[int, str], coded: torch.Tensor) -> torch.Tensor:
+    """The continuation's logits with stream ``w`` of the prefix replaced by ``coded`` (the
+    other layers' tensors are shared with ``cache``, which is left as it was)."""
+    mixed = copy.copy(cache)
+    mixed.layers = [copy.copy(layer) for layer in cache.layers]
+    layer = mixed.layers[w[0]]
+    if w[1] == "k":
+        layer.keys = coded
+    else:
+        layer.values = coded
+    return model(input_ids=cont, **{CACHE_ARG: mixed}, use_cache=True).logits.float()
+
+
+def _amplification(carried: float, cached: float) -> float:
+    """How much more the error costs carried through the prefill than read from the cache; 1
+    where there is no error to read (a layer that is not coded)."""
+    return carried / cached if cached > 0 else 1.0
 
 
 def _geomean(values: tuple[float, ...]) -> float:

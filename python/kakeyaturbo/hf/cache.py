@@ -37,14 +37,12 @@ from .blocks import storage_bytes
 from .budget import DecodedBudget
 from .context import CacheContext, StepInputs
 from .flushing import finish_forward
+from .hot_window import DEFAULT_RESIDUAL_LENGTH
 from .layer import KakeyaLayer
 from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
 from .options import KakeyaOptions, flag, non_negative_int
 from .report import compression_note, report
 from .rope import ModelRope, rotary_spec_from_config
-
-#: Newest tokens every layer keeps full precision (the hot window).
-DEFAULT_RESIDUAL_LENGTH = 128
 
 _REPORT_SUMS = (
     "tokens",

@@ -32,6 +32,9 @@ from typing import Any
 
 import torch
 
+#: Newest tokens every layer keeps full precision (the hot window).
+DEFAULT_RESIDUAL_LENGTH = 128
+
 #: Most spare slots a store is made with (at least one).
 ROOM = 16
 

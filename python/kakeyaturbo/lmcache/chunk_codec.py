@@ -94,12 +94,14 @@ class ChunkCodec:
         g = self.geometry
         head = dict(dtype=dtype, shape=shape, kv_heads=g.kv_heads, head_dim=g.head_dim)
         x = kv.detach().cpu()
+        xf = x.float()
+        # Refused in every mode: the decoder takes only finite KV, so a raw chunk stored with
+        # them would be a miss on every load.
+        if not bool(torch.isfinite(xf).all()):
+            raise ValueError("kakeya serde: the KV chunk holds NaN or infinite values")
         if shape[2] < MIN_CODED_TOKENS or budget >= x.numel() * x.element_size():
             payload = x.contiguous().view(torch.uint8).numpy().tobytes()
             return self._packed(ct.MODE_RAW, head, 0, 0, payload, bound)
-        xf = x.float()
-        if not bool(torch.isfinite(xf).all()):
-            raise ValueError("kakeya serde: the KV chunk holds NaN or infinite values")
         start = self.find_start(xf)
         sinks = min(self.pipeline.recipe.sink_tokens if start == 0 else 0, shape[2])
         # The first chunk's exact sinks go where they fit, then the codes alone, then the
@@ -214,7 +216,8 @@ class ChunkCodec:
         if h.mode == ct.MODE_FALLBACK:
             if not 1 <= h.start <= 8:
                 raise ct.KakeyaFormatError(f"kakeya fallback of {h.start} bits")
-            return decode_fallback(payload, math.prod(shape), g.head_dim, h.start).reshape(shape)
+            y = decode_fallback(payload, math.prod(shape), g.head_dim, h.start)
+            return y.reshape(shape).to(dtype)  # checked in the chunk's dtype, as it is copied
         t = shape[2]
         if h.sinks > t or (h.sinks and h.start):
             raise ct.KakeyaFormatError(f"kakeya object: {h.sinks} sinks at position {h.start}")

@@ -1,11 +1,17 @@
 """A fixed-size stand-in for a chunk whose coded form does not fit its budget: each
 (token, head) row of ``head_dim`` values as ``bits``-bit uniform codes, its minimum and step
-in float32. Its size depends on the shape alone, so the serde's size bound always holds."""
+in float32. Its size depends on the shape alone, so the serde's size bound always holds.
+
+Both sides work in float64: a row's range can reach twice float32's largest value (KV of
+both signs near a bfloat16's or float32's limits), which float32 arithmetic would turn into an
+infinite step and then NaN codes."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def fallback_bytes(values: int, rows: int, bits: int) -> int:
@@ -21,16 +27,17 @@ def fallback_bits(values: int, rows: int, budget: int) -> int:
 
 
 def encode_fallback(x: torch.Tensor, head_dim: int, bits: int) -> bytes:
-    rows = x.float().reshape(-1, head_dim)
+    rows = x.double().reshape(-1, head_dim)
     levels = (1 << bits) - 1
     lo = rows.amin(dim=1, keepdim=True)
     hi = rows.amax(dim=1, keepdim=True)
-    step = (hi - lo) / max(levels, 1)
+    # The step as stored (float32, at most its largest), so that the codes fit what decodes.
+    step = ((hi - lo) / max(levels, 1)).clamp(max=_F32_MAX).float().double()
     q = ((rows - lo) / step.clamp_min(1e-30)).round().clamp(0, levels)
     codes = q.to(torch.uint8).numpy()
     bitplanes = np.unpackbits(codes[..., None], axis=-1)[..., 8 - bits :]
     packed = np.packbits(bitplanes.reshape(-1))
-    return packed.tobytes() + torch.cat([lo, step], 1).numpy().tobytes()
+    return packed.tobytes() + torch.cat([lo, step], 1).float().numpy().tobytes()
 
 
 def decode_fallback(data: memoryview, values: int, head_dim: int, bits: int) -> torch.Tensor:
@@ -41,6 +48,8 @@ def decode_fallback(data: memoryview, values: int, head_dim: int, bits: int) -> 
     planes = np.unpackbits(np.frombuffer(data[:nbits], np.uint8))[: values * bits]
     planes = planes.reshape(values, bits)
     codes = np.packbits(np.concatenate([np.zeros((values, 8 - bits), np.uint8), planes], 1), 1)
-    ls = np.frombuffer(data[nbits:], np.float32).reshape(rows, 2)
-    out = codes.reshape(rows, head_dim).astype(np.float32) * ls[:, 1:2] + ls[:, 0:1]
+    ls = np.frombuffer(data[nbits:], np.float32).reshape(rows, 2).astype(np.float64)
+    with np.errstate(all="ignore"):  # a forged object's inf or NaN: the caller rejects NaN
+        out = codes.reshape(rows, head_dim).astype(np.float64) * ls[:, 1:2] + ls[:, 0:1]
+        out = np.clip(out, -_F32_MAX, _F32_MAX).astype(np.float32)
     return torch.from_numpy(out)
