@@ -47,8 +47,10 @@ __all__ = [
     "CompressingCache",
     "Reference",
     "compress_stream",
+    "continue_logits",
     "evaluate_method",
     "prepare_reference",
+    "sliding_layer",
 ]
 
 MODES = ("snapshot", "in-forward", "in-forward-hot")
@@ -128,7 +130,7 @@ class CompressingCache(DynamicCache):
         self.rows: list[ByteCount] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.active and not _sliding(self, layer_idx):
+        if self.active and not sliding_layer(self, layer_idx):
             int8_values = self.method.options.window_values == "int8"
             hot_window.stash(layer_idx, key_states, value_states, int8_values)
             key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
@@ -167,7 +169,7 @@ def _prefill(model, prefix: torch.Tensor, cache) -> None:
     model(input_ids=prefix, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
 
 
-def _continue(model, cache, cont: torch.Tensor) -> torch.Tensor:
+def continue_logits(model, cache, cont: torch.Tensor) -> torch.Tensor:
     return model(input_ids=cont, **{CACHE_ARG: cache}, use_cache=True).logits.float()
 
 
@@ -189,7 +191,7 @@ def prepare_reference(
         ids = torch.stack([p.ids[:need] for p in group])
         cache = DynamicCache(config=model.config)
         _prefill(model, ids[:, :ctx], cache)
-        logits = _continue(model, copy.deepcopy(cache), ids[:, ctx : ctx + n_eval])
+        logits = continue_logits(model, copy.deepcopy(cache), ids[:, ctx : ctx + n_eval])
         ref.batches.append(
             Batch(
                 group,
@@ -220,7 +222,7 @@ def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, li
     cache = copy.deepcopy(batch.cache)
     rows: list[ByteCount] = [{} for _ in batch.passages]
     for li, layer in enumerate(cache.layers):
-        if _sliding(cache, li):
+        if sliding_layer(cache, li):
             continue  # counted by _held_sliding_bytes
         k_hat, rk = compress_stream(method, layer.keys, li, "k", rope)
         v_hat, rv = compress_stream(method, layer.values, li, "v", rope)
@@ -229,10 +231,10 @@ def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, li
             _add(r, a)
             _add(r, b)
     _held_sliding_bytes(cache, rows)
-    return _continue(model, cache, batch.cont), rows
+    return continue_logits(model, cache, batch.cont), rows
 
 
-def _sliding(cache, layer: int) -> bool:
+def sliding_layer(cache, layer: int) -> bool:
     """Sliding-window layers hold a bounded window and are never coded (as in KakeyaCache)."""
     return layer < len(cache.layers) and bool(getattr(cache.layers[layer], "is_sliding", False))
 
@@ -240,7 +242,7 @@ def _sliding(cache, layer: int) -> bool:
 def _held_sliding_bytes(cache, rows: list[ByteCount]) -> None:
     """Add each sliding layer's held tokens, at bf16, to every row's full-precision bytes."""
     for li, layer in enumerate(cache.layers):
-        if _sliding(cache, li):
+        if sliding_layer(cache, li):
             for r, row in enumerate(rows):
                 n = layer.keys[r].numel() + layer.values[r].numel()
                 _add(row, {"full_precision": 2 * n})
@@ -255,7 +257,7 @@ def _run_in_forward(
     cache.active = False
     rows = cache.rows or [{} for _ in batch.passages]
     _held_sliding_bytes(cache, rows)
-    return _continue(model, cache, batch.cont), rows
+    return continue_logits(model, cache, batch.cont), rows
 
 
 def _run_hf(
@@ -273,7 +275,7 @@ def _run_hf(
             _add(counted, c["k"])
             _add(counted, c["v"])
             alloc += a
-        logits.append(_continue(model, cache, batch.cont[i : i + 1]))
+        logits.append(continue_logits(model, cache, batch.cont[i : i + 1]))
         rows.append(counted)
         allocated.append(alloc)
     return torch.cat(logits), rows, allocated

@@ -21,11 +21,16 @@ from tqdm.auto import tqdm
 
 from kakeyaturbo.calibration.sensitivity import joint_offsets
 from kakeyaturbo.eval.fisher import fisher_along
-from kakeyaturbo.eval.harness import compress_stream, evaluate_method, prepare_reference
+from kakeyaturbo.eval.harness import (
+    compress_stream,
+    continue_logits,
+    evaluate_method,
+    prepare_reference,
+    sliding_layer,
+)
 from kakeyaturbo.eval.kakeya_codec import KakeyaCodec
 from kakeyaturbo.eval.methods import attach_options
 from kakeyaturbo.eval.metrics import passage_scores, summarize
-from kakeyaturbo.hf._compat import CACHE_ARG
 from kakeyaturbo.hf.rope import ModelRope
 from kakeyaturbo.modeling import Passage, cut_passages, read_text, tokenize_text
 
@@ -49,8 +54,6 @@ def scan(
     exact: bool = False,
 ) -> dict:
     """The scan on ``passages`` windows of ``text_file`` (see :func:`scan_passages`)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be snapshot, in-forward or both, not {mode!r}")
     ids = tokenize_text(tokenizer, read_text(text_file))
     ps = cut_passages(ids, passages, ctx + n_eval + 1)
     return scan_passages(
@@ -94,8 +97,10 @@ def scan_passages(
         for w in streams:
             held = _exact(batch.cache, w)
             # Sliding-window layers are never coded (as in KakeyaCache): no error, KL 0.
-            sliding = getattr(batch.cache.layers[w[0]], "is_sliding", False)
-            coded[w] = held if sliding else compress_stream(method, held, *w, rope)[0]
+            if sliding_layer(batch.cache, w[0]):
+                coded[w] = held
+            else:
+                coded[w] = compress_stream(method, held, *w, rope)[0]
         for w in streams:
             with torch.inference_mode():
                 logits = _continue_with(model, batch.cache, batch.cont, w, coded[w])
@@ -168,7 +173,7 @@ def _continue_with(model, cache, cont, w: tuple[int, str], coded: torch.Tensor) 
         layer.keys = coded
     else:
         layer.values = coded
-    return model(input_ids=cont, **{CACHE_ARG: mixed}, use_cache=True).logits.float()
+    return continue_logits(model, mixed, cont)
 
 
 def _amplification(carried: float, cached: float) -> float:
