@@ -128,6 +128,11 @@ for mode in in-forward in-forward-hot; do
 done
 kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/joint_heads_copy.json \
   --method "kakeya:calibration=$CJ,$AT_2P5" --method "kakeya:calibration=$CJ,bits_per_value=2"
+# Outlier channels: SmolLM2 against itself with a 100x value channel and key pair in every
+# layer (the same function), with the bundle each model fits on first use.
+python benches/outlier_channels.py --passages 8
+# Sliding-window layers held exact or coded: SmolLM2 with Gemma 3's layer pattern.
+python benches/sliding_layers.py --passages 8
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

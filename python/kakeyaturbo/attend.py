@@ -15,6 +15,7 @@ import torch
 from . import codec as _codec
 from ._arrays import bf16_bits
 from .coded_block import BlockRun, CodedBlock, norm_code_lists, stream_major
+from .unit_tokens import holds_norms
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ class AttentionOverCodes:
         norms = scales = None
         # Their codes, decoded in the kernels (across heads they are per-head scales, which
         # attention over the codes applies itself).
-        if self.recipe.token_norms(stream):
+        if holds_norms(blocks):
             codes = norm_code_lists(blocks)
             if self.recipe.joint(stream):
                 scales = codes

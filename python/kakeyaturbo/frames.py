@@ -48,10 +48,11 @@ class Frames:
         )
 
     def forget(self, layer: int) -> None:
-        """Drop ``layer``'s self-fitted frames (its cache layer was reset: the next sequence
-        fits its own)."""
+        """Drop ``layer``'s self-fitted frames and token-norm choice (its cache layer was reset:
+        the next sequence makes its own)."""
         for stream in STREAMS:
             self._frames.pop((layer, stream), None)
+            self._unit_tokens.pop((layer, stream), None)  # type: ignore[attr-defined]
 
     def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
         """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""

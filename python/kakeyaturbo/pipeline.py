@@ -8,7 +8,9 @@ One layer's keys or values ``x`` ``[batch, kv_heads, tokens, head_dim]`` go thro
                          values; nothing stored) or a PCA frame per (layer, head) fitted on the
                          first tokens coded and held once as float16 (counted; none for a
                          sequence shorter than 4 tokens per dimension, where it cannot pay)
-    -> token norms       (recipe's choice per stream) each token is scaled to unit norm and
+    -> token norms       (recipe's choice per stream, dropped for a layer whose tokens put most
+                         of their energy in one direction: ``unit_tokens.py``; decoders read
+                         the choice from the blocks) each token is scaled to unit norm and
                          its norm held in one byte (``norm_codes.py``: log-spaced over the
                          stream's range, at most 1.1% off), so the codec's error is relative
                          per token (small-norm tokens that draw much attention keep their
@@ -51,6 +53,7 @@ from .gpu import device_encode
 from .gpu.device_decode import DeviceBlocks
 from .norm_codes import StackedNorms, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
+from .unit_tokens import DOMINANT_SHARE, dominant_share, holds_norms
 
 __all__ = ["AttendArgs", "BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
 
@@ -95,11 +98,31 @@ class Pipeline(Frames, AttentionOverCodes):
                 raise ValueError("joint_heads: the frames across heads are fitted on whitened keys")
         # (layer, stream) -> [H, D, D] self-fitted frame, fitted on the first tokens coded.
         self._frames: dict[tuple[int, str], torch.Tensor] = {}
+        # (layer, stream) -> whether it is coded with token norms, decided on its first tokens.
+        self._unit_tokens: dict[tuple[int, str], bool] = {}
 
     def fresh(self) -> Pipeline:
         """The same recipe and calibration with no self-fitted frame yet (an independent
         sequence: each evaluation passage, each vLLM prompt)."""
         return Pipeline(self.recipe, self.calibration, self._rope)
+
+    def uses_token_norms(
+        self, x: torch.Tensor, layer: int, stream: str, sinks: Optional[torch.Tensor] = None
+    ) -> bool:
+        """Whether ``layer``'s ``stream`` is coded with token norms in this sequence: the
+        recipe's choice, unless its first tokens coded, ``x`` ``[B, H, T, D]`` (``sinks``
+        left out), put more than ``DOMINANT_SHARE`` of their energy in one direction
+        (``unit_tokens.py``). Decided once, on the first call; later calls return it."""
+        key = (layer, stream)
+        if key not in self._unit_tokens:
+            if not self.recipe.token_norms(stream):
+                self._unit_tokens[key] = False
+            else:
+                share = dominant_share(x, sinks)
+                if share is None:  # not finite: the codec refuses it, nothing is decided
+                    return True
+                self._unit_tokens[key] = share <= DOMINANT_SHARE
+        return self._unit_tokens[key]
 
     # ---- the round trip --------------------------------------------------------------------
 
@@ -124,6 +147,7 @@ class Pipeline(Frames, AttentionOverCodes):
         one = lambda t: None if t is None else t.cpu()[None]  # noqa: E731 (as one layer of many)
         if sinks is not None and not bool(sinks.any()):
             sinks = None
+        self.uses_token_norms(x, layer, stream, sinks)
         x = x.detach().float().cpu()[None]
         y, norms = self._prepared(x, [layer], stream, one(positions), one(sinks))
         norms = None if norms is None else norms[0]
@@ -154,12 +178,13 @@ class Pipeline(Frames, AttentionOverCodes):
         flush's time is how many small ops the host queues, not their size."""
         bs = self.recipe.block_size
         groups: dict[tuple, list[int]] = {}
-        for i, (x, layer, positions, _) in enumerate(spans):
+        for i, (x, layer, positions, sinks) in enumerate(spans):
             _check(x, stream)
             if x.shape[2] == 0 or x.shape[2] % bs:
                 raise ValueError(
                     f"encode_on_device codes whole blocks of {bs} tokens, got {x.shape[2]}"
                 )
+            self.uses_token_norms(x, layer, stream, sinks)
             groups.setdefault(self._alike(x, layer, stream, positions), []).append(i)
         out: list = [None] * len(spans)
         for members in groups.values():
@@ -179,7 +204,9 @@ class Pipeline(Frames, AttentionOverCodes):
             frame = self._frames.get((layer, stream))
             identity = not fits_frame(x) if frame is None else not frame.numel()
         params = self.recipe.params(layer, stream).replace(bits_per_value=1.0)
-        return (tuple(x.shape), x.dtype, str(x.device), rope, identity, repr(params.to_dict()))
+        norms = self._unit_tokens.get((layer, stream), self.recipe.token_norms(stream))
+        params = repr(params.to_dict())
+        return (tuple(x.shape), x.dtype, str(x.device), rope, identity, norms, params)
 
     def _encode_alike(self, spans: list[tuple], stream: str) -> list[DeviceBlocks]:
         bs, count = self.recipe.block_size, spans[0][0].shape[2] // self.recipe.block_size
@@ -237,7 +264,8 @@ class Pipeline(Frames, AttentionOverCodes):
         y = self._into_frames(x, layers, stream)
         del x  # (each step's input is freed once the next is made: the flush's peak)
         norms = None
-        if self.recipe.token_norms(stream):
+        # (Alike layers share the choice: _alike.)
+        if self._unit_tokens.get((layers[0], stream), self.recipe.token_norms(stream)):
             full = y.norm(dim=-1)
             if float(full.amax()) > torch.finfo(torch.float16).max:  # (NaN: the codec's error)
                 top = full.amax(dim=(1, 2, 3))
@@ -320,7 +348,7 @@ class Pipeline(Frames, AttentionOverCodes):
         (times its stored scale, for streams with token norms)."""
         heads = self._transforms.matrix(layer, stream, "inv").shape[0]  # type: ignore[union-attr]
         y = self._heads(_coded(blocks, rows)[:, 0][None], [layer], stream, heads)[0]
-        if self.recipe.token_norms(stream):
+        if holds_norms(blocks):
             y = y * _coded_norms(blocks)[..., None]  # as the device decoder scales them
         return y
 
@@ -361,7 +389,7 @@ class Pipeline(Frames, AttentionOverCodes):
         attention weights instead of scaling every value. On the CPU, or on the device of
         :class:`~kakeyaturbo.device_decode.DeviceBlocks`."""
         y = _coded(blocks, rows)
-        if not self.recipe.token_norms(stream):
+        if not holds_norms(blocks):
             return y, None
         norms = _coded_norms(blocks)
         if norms.shape[1] != y.shape[1]:

@@ -16,6 +16,8 @@ Why the default is what it is (measured on SmolLM2-135M, see ``docs/recipe.md``)
    error is then relative per token. Real models put much attention on a few small-norm value
    tokens (attention sinks beyond the first ones); an error absolute per block ruins them.
    Keys are not: a logit error is absolute, and large keys are the ones attention reads.
+   A layer whose tokens put most of their energy in one direction is coded without them
+   (``unit_tokens.py``).
 5. **Per-layer bits** come from the calibration bundle's sensitivity scan when it has one
    (mean zero: the average rate is unchanged).
 6. **Attention sinks** (the first ``sink_tokens`` tokens) stay exact.

@@ -11,6 +11,7 @@ from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.calibration import auto as auto_mod
 from kakeyaturbo.calibration.auto import auto_bundle_dir, auto_calibration
 from kakeyaturbo.calibration.sampled_text import sample_sequences
+from kakeyaturbo.eval.outlier_channels import with_outlier_channels
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf import KakeyaCache
 
@@ -73,10 +74,31 @@ def test_from_model_fits_once_then_reuses_the_cached_bundle(model, auto_on, monk
         assert (again.calibration.tensors[name] == t).all(), name
 
 
-def test_one_bundle_for_the_checkpoint_in_float32_and_bfloat16(model, auto_on):
+def test_one_bundle_for_the_checkpoint_in_float32_and_bfloat16(model, auto_on, monkeypatch):
     import copy
 
-    assert auto_bundle_dir(copy.deepcopy(model).to(torch.bfloat16)) == auto_bundle_dir(model)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    half.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq  # as loaded: float32
+    buffers = {n: b.dtype for n, b in half.named_buffers()}
+    assert auto_bundle_dir(half) == auto_bundle_dir(model)
+    # Values fine-tuned alone (a value channel 100x, the same function) are another model.
+    skewed = with_outlier_channels(model, value_channel=5, key_channel=None)
+    assert auto_bundle_dir(skewed) != auto_bundle_dir(model)
+    # Fitted in float32 whichever copy asks first; the model gets its own dtypes back, also
+    # where the fit fails.
+    seen = []
+
+    def failing_fit(m, **_):
+        seen.append({p.dtype for p in m.parameters()})
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(auto_mod, "fit_sampled", failing_fit)
+    with pytest.warns(UserWarning, match="stop here"):
+        assert auto_calibration(half, progress=False) is None
+    assert seen == [{torch.float32}]
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert torch.equal(half.lm_head.weight, model.lm_head.weight.bfloat16())
+    assert {n: b.dtype for n, b in half.named_buffers()} == buffers
 
 
 def test_a_damaged_cached_bundle_is_fitted_again(model, auto_on):

@@ -238,6 +238,7 @@ META_CASES = [
     *[(f"fingerprint.{k}", v) for k in INT_FIELDS for v in (True, "6", 6.0, None, 0, -2, [6])],
     ("fingerprint.num_attention_heads", 3),
     ("fingerprint.k_proj0_probe", [0.5] * 63),
+    ("fingerprint.qkv_probe", [0.5] * 287),
     ("fingerprint.k_proj0_probe", "0.5"),
     ("fingerprint.k_proj0_probe", [0.5] * 63 + ["x"]),
     ("fingerprint.k_proj0_probe", [0.5] * 63 + [float("nan")]),

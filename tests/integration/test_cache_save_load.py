@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from kakeyaturbo.eval.outlier_channels import with_outlier_channels
 from kakeyaturbo.hf import CACHE_ARG, CacheFileError, CacheMismatchError, KakeyaCache, KakeyaOptions
 from kakeyaturbo.hf.cache_file import CACHE_FILE_VERSION
 from kakeyaturbo.modeling import load_model, read_text, tokenize_text
@@ -82,6 +83,22 @@ def test_loaded_cache_gives_identical_logits(model_and_tok, prompt, saved):
         logits = [model(step, **{CACHE_ARG: c}).logits for c in (a, b, fresh)]
     assert torch.equal(logits[0], logits[2])
     assert torch.equal(logits[1], logits[2])
+
+
+def test_values_coded_without_token_norms_load_and_continue(model_and_tok, prompt, tmp_path):
+    """A layer whose values are dominated by one channel is coded without token norms (the
+    others with them): its file loads, continues as the original does, and the blocks coded
+    after the load keep the layer's choice."""
+    skewed = with_outlier_channels(model_and_tok[0], layers=[1])
+    cache = _prefill(skewed, prompt, **SMALL)
+    assert [layer._blocks[0].v.norms is None for layer in cache.layers[:3]] == [False, True, False]
+    path = tmp_path / "skewed.kt"
+    cache.save(path)
+    loaded = KakeyaCache.load(path, skewed, **SMALL)
+    before = len(loaded.layers[1]._blocks)
+    assert _generate(skewed, prompt, loaded) == _generate(skewed, prompt, cache)
+    assert len(loaded.layers[1]._blocks) > before
+    assert all(blk.v.norms is None for blk in loaded.layers[1]._blocks)
 
 
 def _flip(data: bytes, at: int) -> bytes:

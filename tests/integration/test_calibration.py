@@ -148,6 +148,18 @@ def test_bundle_for_another_model_is_rejected(bundle, model_and_tok, tmp_path):
         with torch.no_grad():
             w.copy_(saved)
     Calibration.load(path, model)
+    # A fine-tune of the values (or queries) alone, here the last layer's: another model.
+    v = model.model.layers[-1].self_attn.v_proj.weight
+    saved = v.detach().clone()
+    try:
+        with torch.no_grad():
+            v.mul_(1.01)
+        with pytest.raises(CalibrationError, match="qkv_probe"):
+            Calibration.load(path, model)
+    finally:
+        with torch.no_grad():
+            v.copy_(saved)
+    Calibration.load(path, model)
 
 
 def test_bundles_with_the_legacy_weight_hash_still_check_it(bundle, model_and_tok, tmp_path):
@@ -226,6 +238,13 @@ def test_layer_offsets_follow_sensitivity_with_zero_mean_and_clip():
     # Jointly, the more sensitive stream gets the bits.
     j = joint_offsets({"k": [1e-4, 1e-4], "v": [4e-4, 4e-4]})
     assert j["v"][0] - j["k"][0] == pytest.approx(1.0, abs=1e-3)
+    # Layers held exact (KL 0) get no offset and leave the coded layers' bits alone: with
+    # their KL floored into the mean they would take -1.5 and push the others to +1.5.
+    kl = {"k": [1e-4, 0.0, 0.0, 2e-4], "v": [4e-4, 0.0, 0.0, 1e-4]}
+    held = joint_offsets(kl, frozenset({1, 2}))
+    alone = joint_offsets({s: [kl[s][0], kl[s][3]] for s in "kv"})
+    assert held == {s: [alone[s][0], 0.0, 0.0, alone[s][1]] for s in "kv"}
+    assert max(joint_offsets(kl)["k"]) == MAX_OFFSET
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ kt = pytest.importorskip("kakeyaturbo")
 pytest.importorskip("kakeyaturbo.hf")
 from transformers import DynamicCache  # noqa: E402
 
+from kakeyaturbo.eval.outlier_channels import with_outlier_channels  # noqa: E402
 from kakeyaturbo.hf import CACHE_ARG, KakeyaCache, KakeyaOptions  # noqa: E402
 from kakeyaturbo.hf.coded_attention import CodedView  # noqa: E402
 from kakeyaturbo.modeling import kv_geometry, load_model  # noqa: E402
@@ -153,6 +154,20 @@ def test_coded_attention_matches_decoding(model, attend_calls, cpu_path, kw):
     cache = compare(model, ids, mask, 600, attend_calls, tol, residual_length=64, **kw)
     assert cache.layers[0].compressed_length == 576 and cache.get_seq_length() == 678
     assert set(attend_calls) == {512, 576}
+
+
+def test_coded_attention_over_values_coded_without_token_norms(model, attend_calls, cpu_path):
+    """Values of one layer put nearly all their energy in one channel (100x the others): that
+    layer's values are coded without token norms, other layers' with them, and the coded
+    attention still computes what decoding computes."""
+    skewed = with_outlier_channels(model, layers=[1])
+    ids, mask = padded_batch(model.config.vocab_size)
+    cache = compare(skewed, ids, mask, 600, attend_calls, 2e-3, residual_length=64, recipe=RECIPE)
+    normed = [
+        (layer._on_device["v"].norms if layer._on_device else layer._blocks[0].v.norms) is not None
+        for layer in cache.layers
+    ]
+    assert not normed[1] and any(normed), normed
 
 
 @pytest.mark.parametrize(

@@ -121,10 +121,10 @@ class _Record(Method):
 
     name = "record"
 
-    def __init__(self):
+    def __init__(self, sliding: str = "exact"):
         super().__init__({})
         self.spec = "record"
-        self.options = MethodOptions(pre_rope=True, passthrough="exact")
+        self.options = MethodOptions(pre_rope=True, passthrough="exact", sliding=sliding)
         self.keys: dict[int, torch.Tensor] = {}
 
     def compress(self, x, layer, stream):
@@ -133,21 +133,41 @@ class _Record(Method):
         return x, [{"codes": 0} for _ in range(x.shape[0])]
 
 
+@pytest.mark.parametrize("sliding", ["exact", "code"])
 @pytest.mark.parametrize("arch, mode", ARCH_MODES)
-def test_harness_hands_pre_rope_keys(arch, mode):
+def test_harness_hands_pre_rope_keys(arch, mode, sliding):
     """With pre_rope=true the method receives exactly k_norm's output, for every layer it codes:
-    the full-attention ones (sliding layers are held as computed, as KakeyaCache holds them)."""
+    the full-attention ones (sliding layers are held as computed, as KakeyaCache holds them),
+    and with sliding=code the sliding ones too, their window at its own positions (the last
+    call of an in-forward prefill is the window the layer keeps)."""
     model, ref = tiny(arch), reference(arch)
-    method = _Record()
+    method = _Record(sliding)
     row = evaluate(arch, "", mode, method)
     # exact but for the float rounding of un-rotating and re-rotating
     assert row["kl"] < 1e-9 and row["top1"] == 1.0
     pre = pre_rope_qkv(model, torch.cat([b.prefix for b in ref.batches]))
-    full = [i for i in range(len(model.model.layers)) if i not in sliding_layers(model)]
-    assert sorted(method.keys) == full
+    windows = sliding_layers(model)
+    coded = [i for i in range(len(model.model.layers)) if sliding == "code" or i not in windows]
+    assert sorted(method.keys) == coded
     for li, got in method.keys.items():
         held = got.shape[2]
+        assert held == (WINDOW - 1 if li in windows else CTX)
         torch.testing.assert_close(got, pre[li][1][:, :, CTX - held :], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eval_codes_sliding_windows_and_counts_what_they_hold(mode):
+    """With sliding=code the sliding layers' windows are coded and only what they hold is
+    counted: in every protocol the bytes are the snapshot's (KIVI's bytes follow the tokens
+    held), below the windows held exact, and the error grows."""
+    held = evaluate("gemma3", "kivi:bits=4", mode)
+    coded = evaluate("gemma3", "kivi:bits=4,sliding=code", mode)
+    snapshot = evaluate("gemma3", "kivi:bits=4,sliding=code", "snapshot")
+    assert coded["stored_bytes"] == snapshot["stored_bytes"] < held["stored_bytes"]
+    assert coded["bf16_bytes"] == held["bf16_bytes"]
+    assert coded["kl"] > held["kl"]
+    with pytest.raises(ValueError, match="sliding must be exact or code"):
+        build_method("kivi:bits=4,sliding=yes")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 
 from .bundle import Calibration, model_fingerprint
-from .schema import META_FILE, PROBE, CalibrationError
+from .in_float32 import in_float32
+from .schema import META_FILE, PROBE, PROJ_PROBE, CalibrationError
 
 __all__ = ["AUTO", "AUTO_TOKENS", "auto_calibration", "auto_enabled", "auto_bundle_dir"]
 
@@ -26,8 +27,9 @@ AUTO_TOKENS = 8192
 #: The sensitivity scan's sampled passages, each SCAN_CTX + SCAN_EVAL + 1 tokens (the
 #: evaluation's window; shorter where the model's positions end first).
 SCAN_PASSAGES, SCAN_CTX, SCAN_EVAL = 4, 960, 64
-#: Bumped when the fit changes, so that bundles of an older fit are not reused.
-AUTO_VERSION = 2
+#: Bumped when the fit changes, so that bundles of an older fit are not reused (3: always
+#: fitted in float32, keyed by the query, key and value projections too).
+AUTO_VERSION = 3
 #: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
 ENV = "KAKEYATURBO_AUTO_CALIBRATION"
 
@@ -48,9 +50,10 @@ def auto_bundle_dir(model) -> Path:
     from ..modeling import cache_dir
 
     fp = dict(model_fingerprint(model))
-    if PROBE in fp:
-        probe = torch.tensor(fp[PROBE], dtype=torch.float32).to(torch.bfloat16).tolist()
-        fp[PROBE] = [f"{v:.3g}" for v in probe]
+    for name in (PROBE, PROJ_PROBE):
+        if name in fp:
+            probe = torch.tensor(fp[name], dtype=torch.float32).to(torch.bfloat16).tolist()
+            fp[name] = [f"{v:.3g}" for v in probe]
     key = json.dumps({"fit": AUTO_VERSION, "tokens": AUTO_TOKENS, **fp}, sort_keys=True)
     name = f"{fp['model_type']}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     return cache_dir() / "bundles" / name
@@ -70,7 +73,8 @@ def auto_calibration(model, progress: bool = True) -> Calibration | None:
             warnings.warn(f"{where}: {e}; fitting it again", stacklevel=2)
             shutil.rmtree(where, ignore_errors=True)
     try:
-        calib = fit_sampled(model, progress=progress)
+        with in_float32(model):  # whichever of the checkpoint's copies asks first
+            calib = fit_sampled(model, progress=progress)
     except Exception as e:  # noqa: BLE001 - any model the fit cannot run still gets a cache
         warnings.warn(
             f"could not fit a calibration bundle for this model ({type(e).__name__}: {e}); "

@@ -19,6 +19,10 @@ from .schema import (
     PROBE,
     PROBE_RTOL,
     PROBE_VALUES,
+    PROBED_PROJECTIONS,
+    PROJ_PROBE,
+    PROJ_PROBE_CHUNKS,
+    PROJ_PROBE_VALUES,
     TENSORS_FILE,
     CalibrationError,
 )
@@ -45,7 +49,31 @@ def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
         # Sampled weights, compared with a tolerance, not a hash of their bits: one checkpoint
         # loaded in float32, bfloat16 or float16 is one model to its calibration.
         fp[PROBE] = _probe(w)
+    proj = _projections_probe(model_or_config)
+    if proj is not None:
+        fp[PROJ_PROBE] = proj
     return fp
+
+
+def _projections_probe(model_or_config: Any) -> Optional[list[float]]:
+    """Samples and row-run energies of the query, key and value projections of the first and
+    the last layer (None for a config, or a model without the three)."""
+    try:
+        layers = model_or_config.model.layers
+        ws = [getattr(layers[i].self_attn, n).weight for i in (0, -1) for n in PROBED_PROJECTIONS]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    import torch
+
+    out: list[float] = []
+    for w in ws:
+        w = w.detach().cpu()
+        out += _probe(w.float().numpy(), PROJ_PROBE_VALUES)
+        # From the weights in bfloat16, so that the float32 checkpoint and its bfloat16 copy
+        # give one energy to the bit (the auto bundle's key rounds them).
+        rows = np.square(w.to(torch.bfloat16).double().numpy()).mean(axis=1)
+        out += [float(r.mean()) for r in np.array_split(rows, PROJ_PROBE_CHUNKS)]
+    return out
 
 
 def _k_proj0(model_or_config: Any) -> Optional[np.ndarray]:
@@ -58,8 +86,8 @@ def _k_proj0(model_or_config: Any) -> Optional[np.ndarray]:
     return w.detach().float().cpu().numpy()
 
 
-def _probe(w: np.ndarray) -> list[float]:
-    at = np.linspace(0, w.size - 1, PROBE_VALUES).round().astype(np.int64)
+def _probe(w: np.ndarray, values: int = PROBE_VALUES) -> list[float]:
+    at = np.linspace(0, w.size - 1, values).round().astype(np.int64)
     return [float(x) for x in w.reshape(-1)[at]]
 
 
@@ -69,13 +97,13 @@ def _weights_differ(bundle_fp: dict[str, Any], model: Any) -> Optional[str]:
     w = _k_proj0(model)
     if w is None:
         return None
+    if PROBE in bundle_fp and not _close(bundle_fp[PROBE], _probe(w)):
+        return f"{PROBE}: the first layer's key projection holds other weights"
+    if PROJ_PROBE in bundle_fp:
+        proj = _projections_probe(model)
+        if proj is None or not _close(bundle_fp[PROJ_PROBE], proj):
+            return f"{PROJ_PROBE}: the first or last layer's q/k/v projections hold other weights"
     if PROBE in bundle_fp:
-        want = np.asarray(bundle_fp[PROBE], dtype=np.float64)
-        got = np.asarray(_probe(w))
-        # The floor keeps weights rounded to zero (float16's subnormals) from failing.
-        tol = PROBE_RTOL * (np.abs(want) + 1e-3 * np.abs(want).max())
-        if got.shape != want.shape or not np.all(np.abs(got - want) <= tol):
-            return f"{PROBE}: the first layer's key projection holds other weights"
         return None
     if LEGACY_HASH in bundle_fp:
         have = hashlib.sha256(np.ascontiguousarray(w).tobytes()).hexdigest()[:16]
@@ -86,6 +114,14 @@ def _weights_differ(bundle_fp: dict[str, Any], model: Any) -> Optional[str]:
                 "calibrated in, or recalibrate)"
             )
     return None
+
+
+def _close(want: list[float], got: list[float]) -> bool:
+    """Whether a probe's samples match, to its tolerance."""
+    a, b = np.asarray(want, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    # The floor keeps weights rounded to zero (float16's subnormals) from failing.
+    tol = PROBE_RTOL * (np.abs(a) + 1e-3 * np.abs(a).max())
+    return a.shape == b.shape and bool(np.all(np.abs(b - a) <= tol))
 
 
 @dataclass

@@ -35,6 +35,13 @@ class CalibrationError(KakeyaTurboError, ValueError):
 
 #: The fingerprint's sample of the first layer's key projection, and its size.
 PROBE, PROBE_VALUES = "k_proj0_probe", 64
+#: The fingerprint's probe of the query, key and value projections of the first and the last
+#: layer, in that order: PROJ_PROBE_VALUES sampled weights and the mean square of each of
+#: PROJ_PROBE_CHUNKS runs of rows, per projection. A fine-tune that leaves the first key
+#: projection alone (LoRA on queries and values), or a channel rescaled into the next layer
+#: (AWQ-style smoothing: few weights, missed by samples), is another model to its frames.
+PROJ_PROBE, PROJ_PROBE_VALUES, PROJ_PROBE_CHUNKS = "qkv_probe", 32, 16
+PROBED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 #: Relative tolerance of the probe: above bfloat16's rounding (at most 2^-8), below any fine-tune.
 PROBE_RTOL = 2.0**-7
 #: Bundles before the probe hashed the weights' float32 bits (so matched one dtype only).

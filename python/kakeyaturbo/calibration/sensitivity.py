@@ -33,9 +33,17 @@ def layer_offsets(kl: list[float], max_offset: float = MAX_OFFSET) -> list[float
     return [round(float(v), 4) for v in off]
 
 
-def joint_offsets(kl: dict[str, list[float]]) -> dict[str, list[float]]:
+def joint_offsets(
+    kl: dict[str, list[float]], uncoded: frozenset[int] = frozenset()
+) -> dict[str, list[float]]:
     """Offsets over keys and values together (mean zero over all 2 x layers streams), so the
-    scan also decides how the bits split between keys and values."""
+    scan also decides how the bits split between keys and values. Layers in ``uncoded`` (held
+    exact: sliding-window layers) get offset 0 and no share of the mean, which would otherwise
+    hand their bits to the coded layers."""
     n = len(kl["k"])
-    off = layer_offsets(kl["k"] + kl["v"])
-    return {"k": off[:n], "v": off[n:]}
+    coded = [li for li in range(n) if li not in uncoded]
+    off = layer_offsets([kl[s][li] for s in "kv" for li in coded]) if coded else []
+    out = {s: [0.0] * n for s in "kv"}
+    for i, (s, li) in enumerate((s, li) for s in "kv" for li in coded):
+        out[s][li] = off[i]
+    return out

@@ -21,6 +21,10 @@ from .schema import (
     OPTIONAL_TENSOR_NAMES,
     PROBE,
     PROBE_VALUES,
+    PROBED_PROJECTIONS,
+    PROJ_PROBE,
+    PROJ_PROBE_CHUNKS,
+    PROJ_PROBE_VALUES,
     TENSOR_NAMES,
     CalibrationError,
 )
@@ -83,7 +87,7 @@ def check_meta(fingerprint: dict[str, Any], meta: dict[str, Any], where: str) ->
 
     if not isinstance(fingerprint, dict):
         fail("fingerprint", f"must be an object, not {_kind(fingerprint)}")
-    known = {"model_type", *_INT_FIELDS, PROBE, LEGACY_HASH}
+    known = {"model_type", *_INT_FIELDS, PROBE, PROJ_PROBE, LEGACY_HASH}
     for k in fingerprint:
         if k not in known:
             fail(f"fingerprint.{k}", "is not a fingerprint field")
@@ -101,6 +105,9 @@ def check_meta(fingerprint: dict[str, Any], meta: dict[str, Any], where: str) ->
         )
     if PROBE in fingerprint:
         _floats(fingerprint[PROBE], PROBE_VALUES, f"fingerprint.{PROBE}", fail)
+    if PROJ_PROBE in fingerprint:
+        count = 2 * len(PROBED_PROJECTIONS) * (PROJ_PROBE_VALUES + PROJ_PROBE_CHUNKS)
+        _floats(fingerprint[PROJ_PROBE], count, f"fingerprint.{PROJ_PROBE}", fail)
     if LEGACY_HASH in fingerprint and not _is_hex16(fingerprint[LEGACY_HASH]):
         fail(f"fingerprint.{LEGACY_HASH}", "must be 16 lowercase hex digits")
     layers = fingerprint["num_hidden_layers"]

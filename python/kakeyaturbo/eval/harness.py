@@ -62,11 +62,17 @@ def _add(a: ByteCount, b: ByteCount) -> None:
 
 
 def compress_stream(
-    method: Method, x: torch.Tensor, layer: int, stream: str, rope: ModelRope | None = None
+    method: Method,
+    x: torch.Tensor,
+    layer: int,
+    stream: str,
+    rope: ModelRope | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, list[ByteCount]]:
-    """Apply `method` to one layer's K or V ([B, H, T, D], token i at position i) with its
-    shared options (sinks, recent window, skipped layers, stream choice, pre-RoPE keys);
-    returns the reconstruction and per-row bytes."""
+    """Apply `method` to one layer's K or V ([B, H, T, D], token i at position start + i) with
+    its shared options (sinks, recent window, skipped layers, stream choice, pre-RoPE keys);
+    returns the reconstruction and per-row bytes. A sliding window's tokens (start > 0) hold no
+    sinks: the sequence's first tokens left it."""
     opts = method.options
     b, h, t, d = x.shape
     keep = bf16_round if opts.passthrough == "bf16" else (lambda y: y)
@@ -76,7 +82,7 @@ def compress_stream(
 
     if not opts.compresses(layer, stream):
         return keep(x), [{"full_precision": full(t)} for _ in range(b)]
-    s = min(opts.sink_tokens, t)
+    s = min(opts.sink_tokens, t) if start == 0 else 0
     w = min(opts.residual_length, t - s)
     rows: list[ByteCount] = [{} for _ in range(b)]
     parts = []
@@ -92,12 +98,15 @@ def compress_stream(
         if unrope:
             if rope is None:
                 raise ValueError(f"{method.spec}: pre_rope=true but no rotary embedding given")
-            mid = rope.unrotate(mid, layer, lo).contiguous()
-        mid_hat, mid_rows = method.compress(mid, layer, stream)
+            mid = rope.unrotate(mid, layer, start + lo).contiguous()
+        if in_place:  # the stream's first s tokens are its sinks (none in a sliding window)
+            mid_hat, mid_rows = method.compress(mid, layer, stream, sink_tokens=s)
+        else:
+            mid_hat, mid_rows = method.compress(mid, layer, stream)
         if mid_hat.shape != (b, h, t - lo - w, d):
             raise RuntimeError(f"{method.spec}: reconstruction has shape {tuple(mid_hat.shape)}")
         if unrope:
-            mid_hat = rope.rotate(mid_hat.float(), layer, lo)
+            mid_hat = rope.rotate(mid_hat.float(), layer, start + lo)
         mid_hat = mid_hat.to(x.dtype)
         if s and not lo:
             mid_hat[:, :, :s] = keep(x[:, :, :s])
@@ -130,16 +139,37 @@ class CompressingCache(DynamicCache):
         self.rows: list[ByteCount] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.active and not sliding_layer(self, layer_idx):
+        if self.active and codes_layer(self.method, self, layer_idx):
             int8_values = self.method.options.window_values == "int8"
             hot_window.stash(layer_idx, key_states, value_states, int8_values)
-            key_states, rk = compress_stream(self.method, key_states, layer_idx, "k", self.rope)
-            value_states, rv = compress_stream(self.method, value_states, layer_idx, "v", self.rope)
+            t = key_states.shape[-2]
+            # A sliding layer keeps its newest window - 1 tokens: those are what it holds
+            # (counted); the older ones are coded as well (this forward reads them coded) but
+            # dropped by the layer.
+            held = t
+            if sliding_layer(self, layer_idx):
+                held = min(t, self.layers[layer_idx].sliding_window - 1)
+            k_parts, v_parts, rows = [], [], None
+            for lo, hi in ((0, t - held), (t - held, t)):
+                if hi == lo:
+                    continue
+                k, rk = compress_stream(
+                    self.method, key_states[:, :, lo:hi], layer_idx, "k", self.rope, lo
+                )
+                v, rv = compress_stream(
+                    self.method, value_states[:, :, lo:hi], layer_idx, "v", self.rope, lo
+                )
+                k_parts.append(k)
+                v_parts.append(v)
+                rows = [{} for _ in rk]
+                for r, a, b in zip(rows, rk, rv):
+                    _add(r, a)
+                    _add(r, b)
+            key_states, value_states = torch.cat(k_parts, dim=-2), torch.cat(v_parts, dim=-2)
             if self.rows is None:
-                self.rows = [{} for _ in rk]
-            for r, a, b in zip(self.rows, rk, rv):
+                self.rows = [{} for _ in rows]
+            for r, a in zip(self.rows, rows):
                 _add(r, a)
-                _add(r, b)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -221,28 +251,37 @@ def _run_snapshot(model, method: Method, batch: Batch) -> tuple[torch.Tensor, li
     rope = _rope(model, method)
     cache = copy.deepcopy(batch.cache)
     rows: list[ByteCount] = [{} for _ in batch.passages]
+    ctx = batch.prefix.shape[-1]
     for li, layer in enumerate(cache.layers):
-        if sliding_layer(cache, li):
+        if not codes_layer(method, cache, li):
             continue  # counted by _held_sliding_bytes
-        k_hat, rk = compress_stream(method, layer.keys, li, "k", rope)
-        v_hat, rv = compress_stream(method, layer.values, li, "v", rope)
+        start = ctx - layer.keys.shape[-2]  # a sliding layer holds the newest tokens only
+        k_hat, rk = compress_stream(method, layer.keys, li, "k", rope, start)
+        v_hat, rv = compress_stream(method, layer.values, li, "v", rope, start)
         layer.keys, layer.values = k_hat, v_hat
         for r, a, b in zip(rows, rk, rv):
             _add(r, a)
             _add(r, b)
-    _held_sliding_bytes(cache, rows)
+    _held_sliding_bytes(method, cache, rows)
     return continue_logits(model, cache, batch.cont), rows
 
 
 def sliding_layer(cache, layer: int) -> bool:
-    """Sliding-window layers hold a bounded window and are never coded (as in KakeyaCache)."""
+    """Whether ``layer`` of ``cache`` is a sliding-window layer (it holds a bounded window)."""
     return layer < len(cache.layers) and bool(getattr(cache.layers[layer], "is_sliding", False))
 
 
-def _held_sliding_bytes(cache, rows: list[ByteCount]) -> None:
-    """Add each sliding layer's held tokens, at bf16, to every row's full-precision bytes."""
+def codes_layer(method: Method, cache, layer: int) -> bool:
+    """Whether ``method`` codes ``layer``'s cache: every full-attention layer, and sliding ones
+    with ``sliding=code`` (by default they hold their window exact, as in KakeyaCache)."""
+    return method.options.sliding == "code" or not sliding_layer(cache, layer)
+
+
+def _held_sliding_bytes(method: Method, cache, rows: list[ByteCount]) -> None:
+    """Add each sliding layer's held tokens that ``method`` holds exact, at bf16, to every row's
+    full-precision bytes."""
     for li, layer in enumerate(cache.layers):
-        if sliding_layer(cache, li):
+        if not codes_layer(method, cache, li):
             for r, row in enumerate(rows):
                 n = layer.keys[r].numel() + layer.values[r].numel()
                 _add(row, {"full_precision": 2 * n})
@@ -256,7 +295,7 @@ def _run_in_forward(
         _prefill(model, batch.prefix, cache)
     cache.active = False
     rows = cache.rows or [{} for _ in batch.passages]
-    _held_sliding_bytes(cache, rows)
+    _held_sliding_bytes(method, cache, rows)
     return continue_logits(model, cache, batch.cont), rows
 
 

@@ -76,13 +76,13 @@ class KakeyaCodec(Method):
     def resolved_params(self):
         return {"recipe": self.label, **self.recipe.describe()}
 
-    def compress(self, x, layer, stream):
+    def compress(self, x, layer, stream, sink_tokens=None):
         if self.calibration is not None and stream == "k" and not self.options.pre_rope:
             raise ValueError("kakeya with calibration needs pre_rope=true (pre-RoPE frames)")
-        # The harness hands the prefix from token 0 (codes_sinks_in_place): the sinks are held
-        # exact beside the stream, as KakeyaCache holds them.
+        # The harness hands the prefix from token 0 (codes_sinks_in_place) and says how many
+        # sinks it holds: they are held exact beside the stream, as KakeyaCache holds them.
         sinks = torch.zeros((1, x.shape[2]), dtype=torch.bool)
-        sinks[:, : self.options.sink_tokens] = True
+        sinks[:, : self.options.sink_tokens if sink_tokens is None else sink_tokens] = True
         # The prefix ends where the harness's recent window (held exact) begins.
         newer = self.options.residual_length
         outs, rows = [], []

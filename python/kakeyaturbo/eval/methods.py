@@ -20,7 +20,9 @@ These keys are handled by the harness for every method, so they mean the same th
 - `streams=kv|k|v`: which of keys/values are compressed (the other stays full precision);
 - `passthrough=bf16|exact`: what "full precision" does to the tensors (see below);
 - `pre_rope=true`: keys are handed to the method with the model's rotary embedding undone (at
-  their absolute positions) and rotated back after decoding.
+  their absolute positions) and rotated back after decoding;
+- `sliding=exact|code`: sliding-window layers (Gemma 3, Mistral-style) hold their window exact
+  (the default, as `KakeyaCache` holds them), or the method codes the window too.
 
 "Full precision" is the bf16 baseline the ratio is measured against: those parts are counted at
 2 bytes per element and, by default, rounded to bf16. `passthrough=exact` leaves them as computed
@@ -61,6 +63,7 @@ COMMON_KEY_VALUES = {
     "streams": "kv|k|v",
     "passthrough": "bf16|exact",
     "pre_rope": "true|false",
+    "sliding": "exact|code",
 }
 COMMON_KEYS = tuple(COMMON_KEY_VALUES)
 STREAMS = ("k", "v")
@@ -139,6 +142,7 @@ class MethodOptions:
     streams: str = "kv"
     passthrough: str = "bf16"
     pre_rope: bool = False
+    sliding: str = "exact"
 
     @classmethod
     def from_params(
@@ -163,11 +167,15 @@ class MethodOptions:
             kw["passthrough"] = str(params["passthrough"]).lower()
         if "window_values" in params:
             kw["window_values"] = str(params["window_values"]).lower()
+        if "sliding" in params:
+            kw["sliding"] = str(params["sliding"]).lower()
         opts = replace(base, **kw)
         if opts.window_values not in ("full", "int8"):
             raise ValueError(f"window_values must be full or int8, not {opts.window_values!r}")
         if opts.passthrough not in ("bf16", "exact"):
             raise ValueError(f"passthrough must be bf16 or exact, not {opts.passthrough!r}")
+        if opts.sliding not in ("exact", "code"):
+            raise ValueError(f"sliding must be exact or code, not {opts.sliding!r}")
         if opts.streams not in ("kv", "k", "v"):
             raise ValueError(f"streams must be kv, k or v, not {opts.streams!r}")
         if opts.sink_tokens < 0 or opts.residual_length < 0:
@@ -189,6 +197,7 @@ class MethodOptions:
             "streams": self.streams,
             "passthrough": self.passthrough,
             "pre_rope": self.pre_rope,
+            "sliding": self.sliding,
         }
 
     def is_default(self) -> bool:

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from kakeyaturbo.calibration.sensitivity import joint_offsets
 from kakeyaturbo.eval.fisher import fisher_along
 from kakeyaturbo.eval.harness import (
+    codes_layer,
     compress_stream,
     continue_logits,
     evaluate_method,
     prepare_reference,
-    sliding_layer,
 )
 from kakeyaturbo.eval.kakeya_codec import KakeyaCodec
 from kakeyaturbo.eval.methods import attach_options
@@ -90,17 +90,19 @@ def scan_passages(
     streams = [(li, s) for s in ("k", "v") for li in range(model.config.num_hidden_layers)]
     scores: dict[tuple[int, str], list] = {w: [] for w in streams}
     fisher = {"cached": dict.fromkeys(streams, 0.0), "carried": dict.fromkeys(streams, 0.0)}
+    # Sliding-window layers held exact (as in KakeyaCache) have no error to measure: KL 0,
+    # offset 0, no continuation run for them.
+    first = ref.batches[0].cache
+    uncoded = frozenset(li for li, _ in streams if not codes_layer(method, first, li))
+    streams = [w for w in streams if w[0] not in uncoded]
     steps = len(ref.batches) * (len(streams) + (mode != "snapshot" and not exact))
     bar = tqdm(total=steps, desc="sensitivity", disable=not progress)
     for batch in ref.batches:
         coded = {}
         for w in streams:
             held = _exact(batch.cache, w)
-            # Sliding-window layers are never coded (as in KakeyaCache): no error, KL 0.
-            if sliding_layer(batch.cache, w[0]):
-                coded[w] = held
-            else:
-                coded[w] = compress_stream(method, held, *w, rope)[0]
+            start = ctx - held.shape[-2]  # a sliding layer holds the newest tokens only
+            coded[w] = compress_stream(method, held, *w, rope, start)[0]
         for w in streams:
             with torch.inference_mode():
                 logits = _continue_with(model, batch.cache, batch.cont, w, coded[w])
@@ -114,7 +116,11 @@ def scan_passages(
                     fisher[p][w] += est[p][w] * len(batch.passages)
             bar.update()
     bar.close()
-    snap = {s: [summarize(scores[(li, s)]).kl for li, t in streams if t == s] for s in "kv"}
+    layers = range(model.config.num_hidden_layers)
+    snap = {
+        s: [summarize(scores[(li, s)]).kl if li not in uncoded else 0.0 for li in layers]
+        for s in "kv"
+    }
     per_mode = {"snapshot": snap}
     if mode != "snapshot" and exact:
         per_mode["in-forward"] = _measured_in_forward(model, ref, streams, bundle_dir, probe_bits)
@@ -133,7 +139,7 @@ def scan_passages(
         "probe_bits": probe_bits,
         "passages": len(passages),
         "kl": kl,
-        "offsets": joint_offsets(kl),
+        "offsets": joint_offsets(kl, uncoded),
     }
     if mode == "both":  # each protocol's own KLs, so other blends need no second scan
         # Named, so a reader of the bundle can tell this blend from a sum of the two KLs.
@@ -143,10 +149,12 @@ def scan_passages(
 
 
 def _measured_in_forward(model, ref, streams, bundle_dir, probe_bits) -> dict[str, list[float]]:
-    kl: dict[str, list[float]] = {"k": [], "v": []}
+    """In-forward KLs of ``streams`` (the others 0: not coded)."""
+    n = model.config.num_hidden_layers
+    kl: dict[str, list[float]] = {"k": [0.0] * n, "v": [0.0] * n}
     for li, s in tqdm(streams, desc="in-forward, measured"):
         method = _probe(bundle_dir, probe_bits, layers=li, streams=s)
-        kl[s].append(float(evaluate_method(model, ref, method, "in-forward")["kl"]))
+        kl[s][li] = float(evaluate_method(model, ref, method, "in-forward")["kl"])
     return kl
 
 

@@ -16,6 +16,7 @@ import torch
 from ..attend import AttendArgs
 from ..gpu import fused_attention, fused_joint_attend
 from ..gpu.device_decode import DeviceBlocks
+from ..unit_tokens import holds_norms
 
 
 class JointHeadsAttention:
@@ -32,7 +33,6 @@ class JointHeadsAttention:
         lay = self.layer
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         wide, frame, rotation = self._joint_query(q)
-        norms = pipe.recipe.token_norms
         h = q.shape[1]
         return pipe.attend(
             (self.held.keys, self.held.values),
@@ -51,9 +51,10 @@ class JointHeadsAttention:
                 bias=bias,
                 exact_queries=q,
                 heads=h,
-                # Their codes as held: the codec decodes them in the same call.
-                key_scales=self.held.keys.scales if norms("k") else None,
-                value_scales=self.held.values.scales if norms("v") else None,
+                # Their codes as held (None: coded without token norms): the codec decodes
+                # them in the same call.
+                key_scales=self.held.keys.scales,
+                value_scales=self.held.values.scales,
             ),
         )
 
@@ -70,12 +71,11 @@ class JointHeadsAttention:
         pipe, li = lay._ctx.pipeline, lay.layer_idx
         (b, h, rows, _), dev = q.shape, q.device
         kb, vb = self.held.stored("k", dev), self.held.stored("v", dev)
-        norms = pipe.recipe.token_norms
         coded = fused_joint_attend.Coded(
             self._device_joint_logits(pipe.joint_codes(kb, b), q),
-            _scales_as_held(pipe, kb) if norms("k") else None,
+            _scales_as_held(pipe, kb) if holds_norms(kb) else None,
             pipe.joint_codes(vb, b),
-            _scales_as_held(pipe, vb) if norms("v") else None,
+            _scales_as_held(pipe, vb) if holds_norms(vb) else None,
             pipe.joint_head_frames(li, "v", dev),
         )
         n_exact = sum(k.shape[-2] for k in exact[0])
@@ -103,7 +103,7 @@ class JointHeadsAttention:
             held = self.held.stored("k", q.device)
             logits = self._device_joint_logits(pipe.joint_codes(held, b), q)
         logits = logits.view(b, h, rows, -1)
-        if pipe.recipe.token_norms("k"):
+        if holds_norms(held):
             logits = logits * pipe.joint_scales(held)[:, :, None]
         return logits
 
@@ -185,7 +185,7 @@ class JointHeadsAttention:
         b, h, rows, t = weights.shape
         dev = weights.device
         held = self.held.values if kernels else self.held.stored("v", dev)
-        if pipe.recipe.token_norms("v"):
+        if holds_norms(held):
             weights = weights * pipe.joint_scales(held)[:, :, None]
         if kernels:
             sums = pipe.value_sums(held, b, weights.reshape(b, 1, h * rows, t))

@@ -5,7 +5,7 @@ What is saved, per compressed layer ``i`` (tensor names ``l{i}.*``; lengths in t
 * ``k.bytes`` / ``v.bytes``: every block's streams as the codec's own bytes (``to_bytes``),
   block-major, and ``k.sizes`` / ``v.sizes`` (int64) each stream's length;
 * ``k.norm_codes`` / ``k.norm_bounds`` (and ``v.``): the blocks' token-norm codes (uint8)
-  and bounds (float16), where the recipe codes that stream with token norms;
+  and bounds (float16), where the layer's stream was coded with token norms;
 * ``pos``: each block's stored RoPE positions (int32; pre-RoPE mode);
 * ``hot.k``, ``hot.v``, ``hot.pos``: the hot window as held (keys in the hot dtype, values as
   int8 rows or in the hot dtype, int32 positions);
@@ -218,7 +218,9 @@ def _compressed_restore(cache, layer: KakeyaLayer, meta: dict, tensors: dict, de
         if bad:
             raise CacheFileError(f"{at}: {s} streams of shape {bad[0]}, expected {(bs, width)}")
         norms: list[Any] = [None] * n
-        if recipe.token_norms(s):
+        if p + f"{s}.norm_codes" in tensors:  # the pipeline's choice for this layer
+            if not recipe.token_norms(s):
+                raise CacheFileError(f"{at}: {s} token norms, which the recipe never codes")
             codes = _expect(tensors, p + f"{s}.norm_codes", (n, b, h, bs), torch.uint8, at)
             bounds = _expect(tensors, p + f"{s}.norm_bounds", (n, b, h, 2), torch.float16, at)
             norms = [NormCodes(codes[j].clone(), bounds[j].clone()) for j in range(n)]
@@ -260,6 +262,9 @@ def _compressed_restore(cache, layer: KakeyaLayer, meta: dict, tensors: dict, de
             layer._blocks.append(blk)
         for s, frame in frames.items():
             pipe._frames[(i, s)] = frame.clone()
+        for s, held in coded.items():
+            if held:  # blocks the layer codes next keep their token-norm choice
+                pipe._unit_tokens[(i, s)] = held[0].norms is not None
         layer._len = ints["tokens"]
         layer.is_initialized = True
         if n and layer._holds_on_device():

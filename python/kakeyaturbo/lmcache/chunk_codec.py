@@ -22,6 +22,7 @@ from ..codec import EncodedLayer
 from ..coded_block import CodedBlock
 from ..norm_codes import NormCodes
 from ..pipeline import Pipeline
+from ..unit_tokens import holds_norms
 from . import container as ct
 from .fallback import decode_fallback, encode_fallback, fallback_bits, fallback_bytes
 
@@ -159,13 +160,12 @@ class ChunkCodec:
             mask = torch.zeros(1, t, dtype=torch.bool)
             mask[:, :sinks] = True
         w = ct.Writer()
+        pipe = self.pipeline.fresh()  # a chunk's bytes depend on its content alone
         for s, stream in enumerate("kv"):
             heads = self._heads(xf[s])
             for layer in range(self.geometry.num_layers):
                 where = dict(positions=pos) if stream == "k" else {}
-                blocks = self.pipeline.encode(
-                    heads[layer][None], layer, stream, sinks=mask, **where
-                )
+                blocks = pipe.encode(heads[layer][None], layer, stream, sinks=mask, **where)
                 _write_blocks(w, blocks)
         if sinks:
             w.blob(x[:, :, :sinks].contiguous().view(torch.uint8).numpy().tobytes())
@@ -278,8 +278,11 @@ def _read_blocks(r: ct.Reader, codec: ChunkCodec, stream: str, tokens: int) -> l
                     f"kakeya object: a stream of shape {tuple(e.shape)}, expected {(t, width)}"
                 )
         norms = None
+        # Blocks of a stream hold token norms or none (the pipeline's choice per layer), and
+        # none where the recipe never codes them.
         has = r.u32()
-        if has != int(recipe.token_norms(stream)):
+        mixed = bool(blocks) and has != holds_norms(blocks)
+        if has not in (0, int(recipe.token_norms(stream))) or mixed:
             raise ct.KakeyaFormatError("kakeya object: token norms do not match the recipe")
         if has:
             codes = np.frombuffer(r.blob(), np.uint8)
