@@ -52,7 +52,7 @@ class Frames:
         the next sequence makes its own)."""
         for stream in STREAMS:
             self._frames.pop((layer, stream), None)
-            self._unit_tokens.pop((layer, stream), None)  # type: ignore[attr-defined]
+        self.token_norms.forget(layer)
 
     def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
         """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""

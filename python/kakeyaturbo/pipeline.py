@@ -53,7 +53,7 @@ from .gpu import device_encode
 from .gpu.device_decode import DeviceBlocks
 from .norm_codes import StackedNorms, decode_norms, encode_norms
 from .recipes import MAX_BITS, Recipe
-from .unit_tokens import DOMINANT_SHARE, dominant_share, holds_norms
+from .unit_tokens import TokenNormChoice, holds_norms
 
 __all__ = ["AttendArgs", "BlockRun", "CodedBlock", "Pipeline", "STREAMS"]
 
@@ -98,31 +98,13 @@ class Pipeline(Frames, AttentionOverCodes):
                 raise ValueError("joint_heads: the frames across heads are fitted on whitened keys")
         # (layer, stream) -> [H, D, D] self-fitted frame, fitted on the first tokens coded.
         self._frames: dict[tuple[int, str], torch.Tensor] = {}
-        # (layer, stream) -> whether it is coded with token norms, decided on its first tokens.
-        self._unit_tokens: dict[tuple[int, str], bool] = {}
+        # Whether each (layer, stream) is coded with token norms, decided on its first tokens.
+        self.token_norms = TokenNormChoice(recipe)
 
     def fresh(self) -> Pipeline:
         """The same recipe and calibration with no self-fitted frame yet (an independent
         sequence: each evaluation passage, each vLLM prompt)."""
         return Pipeline(self.recipe, self.calibration, self._rope)
-
-    def uses_token_norms(
-        self, x: torch.Tensor, layer: int, stream: str, sinks: Optional[torch.Tensor] = None
-    ) -> bool:
-        """Whether ``layer``'s ``stream`` is coded with token norms in this sequence: the
-        recipe's choice, unless its first tokens coded, ``x`` ``[B, H, T, D]`` (``sinks``
-        left out), put more than ``DOMINANT_SHARE`` of their energy in one direction
-        (``unit_tokens.py``). Decided once, on the first call; later calls return it."""
-        key = (layer, stream)
-        if key not in self._unit_tokens:
-            if not self.recipe.token_norms(stream):
-                self._unit_tokens[key] = False
-            else:
-                share = dominant_share(x, sinks)
-                if share is None:  # not finite: the codec refuses it, nothing is decided
-                    return True
-                self._unit_tokens[key] = share <= DOMINANT_SHARE
-        return self._unit_tokens[key]
 
     # ---- the round trip --------------------------------------------------------------------
 
@@ -147,7 +129,7 @@ class Pipeline(Frames, AttentionOverCodes):
         one = lambda t: None if t is None else t.cpu()[None]  # noqa: E731 (as one layer of many)
         if sinks is not None and not bool(sinks.any()):
             sinks = None
-        self.uses_token_norms(x, layer, stream, sinks)
+        self.token_norms.decide(x, layer, stream, sinks)
         x = x.detach().float().cpu()[None]
         y, norms = self._prepared(x, [layer], stream, one(positions), one(sinks))
         norms = None if norms is None else norms[0]
@@ -184,7 +166,7 @@ class Pipeline(Frames, AttentionOverCodes):
                 raise ValueError(
                     f"encode_on_device codes whole blocks of {bs} tokens, got {x.shape[2]}"
                 )
-            self.uses_token_norms(x, layer, stream, sinks)
+            self.token_norms.decide(x, layer, stream, sinks)
             groups.setdefault(self._alike(x, layer, stream, positions), []).append(i)
         out: list = [None] * len(spans)
         for members in groups.values():
@@ -204,7 +186,7 @@ class Pipeline(Frames, AttentionOverCodes):
             frame = self._frames.get((layer, stream))
             identity = not fits_frame(x) if frame is None else not frame.numel()
         params = self.recipe.params(layer, stream).replace(bits_per_value=1.0)
-        norms = self._unit_tokens.get((layer, stream), self.recipe.token_norms(stream))
+        norms = self.token_norms.of(layer, stream)
         params = repr(params.to_dict())
         return (tuple(x.shape), x.dtype, str(x.device), rope, identity, norms, params)
 
@@ -265,7 +247,7 @@ class Pipeline(Frames, AttentionOverCodes):
         del x  # (each step's input is freed once the next is made: the flush's peak)
         norms = None
         # (Alike layers share the choice: _alike.)
-        if self._unit_tokens.get((layers[0], stream), self.recipe.token_norms(stream)):
+        if self.token_norms.of(layers[0], stream):
             full = y.norm(dim=-1)
             if float(full.amax()) > torch.finfo(torch.float16).max:  # (NaN: the codec's error)
                 top = full.amax(dim=(1, 2, 3))

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from .coded_block import STREAMS
+
 #: Tokens putting more than this share of their energy in one direction are coded without
 #: token norms. High, since token norms are what keeps small-norm tokens that draw attention
 #: exact on real models: SmolLM2's values reach 0.61 (layer 0); a channel 30x the others
@@ -48,3 +50,42 @@ def holds_norms(blocks: Any) -> bool:
     if isinstance(blocks, (list, tuple)):
         return bool(blocks) and blocks[0].norms is not None
     return getattr(blocks, "norms", None) is not None or getattr(blocks, "scales", None) is not None
+
+
+class TokenNormChoice:
+    """One sequence's choice per (layer, stream): coded with token norms or not. The recipe's
+    choice, unless the first tokens coded put more than ``DOMINANT_SHARE`` of their energy in
+    one direction; decided once, on the first call of :meth:`decide`."""
+
+    def __init__(self, recipe: Any) -> None:
+        self._recipe = recipe
+        self._made: dict[tuple[int, str], bool] = {}
+
+    def decide(
+        self, x: torch.Tensor, layer: int, stream: str, sinks: Optional[torch.Tensor] = None
+    ) -> bool:
+        """The choice for ``layer``'s ``stream``, made on ``x`` ``[B, H, T, D]`` (``sinks``
+        left out) if it is not made yet."""
+        key = (layer, stream)
+        if key not in self._made:
+            if not self._recipe.token_norms(stream):
+                self._made[key] = False
+            else:
+                share = dominant_share(x, sinks)
+                if share is None:  # not finite: the codec refuses it, nothing is decided
+                    return True
+                self._made[key] = share <= DOMINANT_SHARE
+        return self._made[key]
+
+    def of(self, layer: int, stream: str) -> bool:
+        """The choice made, or the recipe's where none is made yet."""
+        return self._made.get((layer, stream), self._recipe.token_norms(stream))
+
+    def restore(self, layer: int, stream: str, norms: bool) -> None:
+        """Take the choice blocks already coded show (a loaded cache)."""
+        self._made[(layer, stream)] = norms
+
+    def forget(self, layer: int) -> None:
+        """Drop ``layer``'s choices (a new sequence makes its own)."""
+        for stream in STREAMS:
+            self._made.pop((layer, stream), None)

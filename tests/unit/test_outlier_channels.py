@@ -68,4 +68,4 @@ def test_values_dominated_by_one_channel_are_coded_without_token_norms(outlier, 
     later = pipe.encode(_data(None if outlier else "spread"), 0, "v")
     assert all((blk.norms is not None) == norms for blk in later)
     pipe.forget(0)  # a new sequence decides again
-    assert pipe.uses_token_norms(_data(None), 0, "v")
+    assert pipe.token_norms.decide(_data(None), 0, "v")

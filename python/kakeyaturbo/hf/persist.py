@@ -264,7 +264,7 @@ def _compressed_restore(cache, layer: KakeyaLayer, meta: dict, tensors: dict, de
             pipe._frames[(i, s)] = frame.clone()
         for s, held in coded.items():
             if held:  # blocks the layer codes next keep their token-norm choice
-                pipe._unit_tokens[(i, s)] = held[0].norms is not None
+                pipe.token_norms.restore(i, s, held[0].norms is not None)
         layer._len = ints["tokens"]
         layer.is_initialized = True
         if n and layer._holds_on_device():
