@@ -133,6 +133,7 @@ kakeyaturbo eval ppl "${COMMON[@]}" --copy --out reports/joint_heads_copy.json \
 python benches/outlier_channels.py --passages 8
 # Sliding-window layers held exact or coded: SmolLM2 with Gemma 3's layer pattern.
 python benches/sliding_layers.py --passages 8
+python benches/sliding_cache.py --passages 8
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

@@ -58,6 +58,10 @@ SELF_CALIBRATED_BITS = (3.0, 3.0)
 CALIBRATED_BITS = (2.6, 2.6)
 #: The newest tokens at coding time get more bits (the recent window, coded rather than exact).
 RECENT_TOKENS, RECENT_BITS = 64, 3.0
+#: Sliding-window layers whose windows are coded (``KakeyaCache(code_sliding=True)``) get this
+#: many bits more than the recipe gives the layer: at the recipe's own bits their windows were
+#: MARGINAL on SmolLM2 with Gemma 3's layer pattern, ACCEPT one bit up (docs/recipe.md).
+SLIDING_EXTRA_BITS = 1.0
 #: Per-layer offsets are clipped to keep every layer within [MIN_BITS, MAX_BITS].
 MIN_BITS, MAX_BITS = 0.25, 8.0
 
@@ -137,6 +141,22 @@ class Recipe:
 
     def replace(self, **changes: Any) -> Recipe:
         return replace(self, **changes)
+
+    def with_more_bits(self, layers: set[int], extra: float, n_layers: int) -> Recipe:
+        """This recipe with ``extra`` more bits per value on ``layers`` (of ``n_layers``), keys
+        and values alike, on top of any per-layer offsets it has."""
+        if not layers or not extra:
+            return self
+
+        def more(offsets: tuple[float, ...]) -> tuple[float, ...]:
+            base = offsets or (0.0,) * n_layers
+            if len(base) != n_layers:
+                raise ValueError(f"the recipe's layer bits cover {len(base)} of {n_layers} layers")
+            return tuple(b + (extra if i in layers else 0.0) for i, b in enumerate(base))
+
+        return self.replace(
+            k_layer_bits=more(self.k_layer_bits), v_layer_bits=more(self.v_layer_bits)
+        )
 
     def describe(self) -> dict[str, Any]:
         return {

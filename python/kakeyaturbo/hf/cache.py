@@ -3,7 +3,9 @@
 Each decoder layer gets the cache layer its attention type calls for (see ``layer_plan``):
 compressed full-attention layers are :class:`~kakeyaturbo.hf.layer.KakeyaLayer`; skipped
 full-attention layers are plain ``DynamicLayer``; sliding/chunked layers are transformers' own
-``DynamicSlidingWindowLayer``; KV-sharing consumers get transformers' placeholder.
+``DynamicSlidingWindowLayer``, or with ``code_sliding`` sliding ones are
+:class:`~kakeyaturbo.hf.sliding_layer.SlidingKakeyaLayer`; KV-sharing consumers get
+transformers' placeholder.
 
 ``from_model`` also hooks the model's decoder so the cache sees each forward's ``position_ids``
 (needed to undo RoPE exactly in pre-RoPE mode, padded rows included) and 2-D ``attention_mask``
@@ -27,22 +29,31 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 import kakeyaturbo as kt
 
-from ..calibration.auto import AUTO, auto_calibration
+from ..calibration.auto import AUTO
 from ..pipeline import Pipeline
-from ..recipes import Recipe, default_recipe
+from ..recipes import Recipe
 from ._compat import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from .attention import ACTIVE_STEP
 from .attention import NAME as ATTENTION_NAME
 from .blocks import storage_bytes
 from .budget import DecodedBudget
+from .cache_setup import load_calibration, resolve_recipe, with_window_bits
 from .context import CacheContext, StepInputs
 from .flushing import finish_forward
 from .hot_window import DEFAULT_RESIDUAL_LENGTH
 from .layer import KakeyaLayer
-from .layer_plan import LayerKind, LayerSpec, build_layer_plan, cache_layer_count, text_config
+from .layer_plan import (
+    CODED_KINDS,
+    LayerKind,
+    LayerSpec,
+    build_layer_plan,
+    cache_layer_count,
+    text_config,
+)
 from .options import KakeyaOptions, flag, non_negative_int
 from .report import compression_note, report
-from .rope import ModelRope, rotary_spec_from_config
+from .rope import ModelRope
+from .sliding_layer import SlidingKakeyaLayer
 
 _REPORT_SUMS = (
     "tokens",
@@ -85,7 +96,14 @@ class KakeyaCache(Cache):
         residual_length: newest tokens always kept full precision (the hot window).
         sink_tokens: first real tokens of every row kept full precision (attention sinks);
             None: the recipe's.
-        skip_layers: full-attention layer indices kept full precision.
+        skip_layers: full-attention (or, with ``code_sliding``, sliding) layer indices kept
+            full precision.
+        code_sliding: code the window of sliding-window layers (Gemma 3, Mistral style) too,
+            in blocks, forgetting those the window leaves (``hf/sliding_layer.py``). False
+            (default): they hold their window exact, as transformers holds it. Without a
+            ``recipe`` coded windows get ``recipes.SLIDING_EXTRA_BITS`` more bits. Coding
+            them pays where the window is long against ``block_size + residual_length``; on
+            windows of 512 it is 1.8x fewer bytes at 6x the KL (docs/recipe.md).
         pre_rope: store keys pre-RoPE (unrotate before encoding, rotate back after decoding).
             Needs the positions of each forward: build the cache with :meth:`from_model`.
             None (default): the recipe's choice where this model's RoPE can be inverted, and
@@ -122,17 +140,28 @@ class KakeyaCache(Cache):
         hot_dtype: torch.dtype | None = None,
         int8_hot_values: bool = True,
         options: KakeyaOptions | None = None,
+        code_sliding: bool = False,
     ) -> None:
         if not isinstance(config, PretrainedConfig):
             raise TypeError(
                 f"config must be a transformers PretrainedConfig, got {type(config).__name__}"
             )
-        self.calibration = _load_calibration(calibration, config)
-        self.recipe = _resolve_recipe(
-            config, recipe, self.calibration, k_params, v_params, sink_tokens, pre_rope
+        code_sliding = flag("code_sliding", code_sliding)
+        self.calibration = load_calibration(calibration, config)
+        self.recipe = resolve_recipe(
+            config,
+            recipe,
+            self.calibration,
+            k_params,
+            v_params,
+            sink_tokens,
+            pre_rope,
+            code_sliding,
         )
         self.residual_length = non_negative_int("residual_length", residual_length)
-        self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers)
+        self.layer_plan: list[LayerSpec] = build_layer_plan(config, skip_layers, code_sliding)
+        if recipe is None:  # the default recipe gives coded windows the bits they need
+            self.recipe = with_window_bits(self.recipe, self.layer_plan)
         self._rope = ModelRope(config)
         if options is None:
             options = KakeyaOptions()
@@ -153,7 +182,7 @@ class KakeyaCache(Cache):
             self._make_layer(spec, cfg)
             for spec in self.layer_plan[: cache_layer_count(self.layer_plan)]
         ]
-        if not any(spec.kind is LayerKind.COMPRESSED for spec in self.layer_plan):
+        if not any(spec.kind in CODED_KINDS for spec in self.layer_plan):
             warnings.warn(
                 "KakeyaCache: this model has no compressible full-attention layer (all are "
                 "sliding, chunked, "
@@ -161,7 +190,8 @@ class KakeyaCache(Cache):
                 UserWarning,
                 stacklevel=2,
             )
-        compressed = [layer for layer in layers if isinstance(layer, KakeyaLayer)]
+        # The layers whose codes attention reads, each making the next one's keys ahead.
+        compressed = [layer for layer in layers if type(layer) is KakeyaLayer]
         for layer, following in zip(compressed, compressed[1:]):
             self._ctx.following[layer.layer_idx] = weakref.ref(following)
         self._hook_handles: list = []
@@ -181,6 +211,12 @@ class KakeyaCache(Cache):
             # The pipeline's own table for this layer: the layer reports it as held.
             rope = self._rope(spec.index) if self.pre_rope else None
             return KakeyaLayer(spec.index, self.residual_length, self.sink_tokens, self._ctx, rope)
+        if spec.kind is LayerKind.SLIDING_COMPRESSED:
+            assert spec.window is not None  # build_layer_plan sets it for bounded layers
+            rope = self._rope(spec.index) if self.pre_rope else None
+            return SlidingKakeyaLayer(
+                spec.index, spec.window, self.residual_length, self._ctx, rope
+            )
         if spec.kind is LayerKind.FULL_PRECISION:
             return DynamicLayer()
         if spec.kind in (LayerKind.SLIDING, LayerKind.CHUNKED):
@@ -211,7 +247,7 @@ class KakeyaCache(Cache):
         """
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
-        kwargs["calibration"] = _load_calibration(kwargs.get("calibration", AUTO), model)
+        kwargs["calibration"] = load_calibration(kwargs.get("calibration", AUTO), model)
         cache = cls(model.config, **kwargs)
         cache.attach(model)
         cache.coded_attention = coded_attention is not False
@@ -420,72 +456,3 @@ def _plain_layer_report(layer, spec: LayerSpec) -> dict:
         dense, bf16 = per_token * held * keys.element_size(), per_token * held * 2
     tokens = layer.get_seq_length() if hasattr(layer, "get_seq_length") else held
     return report(spec.kind.value, tokens, 0, 0, full, aux, 0, bf16, dense)
-
-
-def _load_calibration(calibration: Any, model_or_config: Any):
-    """A Calibration from a bundle folder (checked against the model) or as given."""
-    if calibration is None:
-        return None
-    from ..calibration import Calibration
-
-    if isinstance(calibration, str) and calibration == AUTO:
-        if not isinstance(model_or_config, torch.nn.Module):
-            raise ValueError(
-                'calibration="auto" fits a bundle on text the model samples: build the cache '
-                "with KakeyaCache.from_model(model), or pass a bundle folder"
-            )
-        return auto_calibration(model_or_config)
-
-    if isinstance(calibration, Calibration):
-        calibration.check_model(model_or_config)
-        return calibration
-    if isinstance(calibration, (str, os.PathLike)):
-        return Calibration.load(calibration, model_or_config)
-    raise TypeError(
-        f"calibration must be a bundle folder or a Calibration, got {type(calibration).__name__}"
-    )
-
-
-def _resolve_recipe(config, recipe, calibration, k_params, v_params, sink_tokens, pre_rope):
-    """The recipe the cache codes with: the given or default one, with the overrides."""
-    changes: dict[str, Any] = {}
-    for name, p in (("k", k_params), ("v", v_params)):
-        if p is not None:
-            if not isinstance(p, kt.CodecParams):
-                raise TypeError(
-                    f"{name}_params must be a kakeyaturbo.CodecParams, got {type(p).__name__}"
-                )
-            changes[name] = p
-    if recipe is None:
-        # The default recipe, streaming in the given parameters' blocks.
-        given = changes.get("k", changes.get("v"))
-        if given is None:
-            recipe = default_recipe(calibration)
-        else:
-            recipe = default_recipe(calibration, block_size=int(given.block_size))
-    elif not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a kakeyaturbo.recipes.Recipe, got {type(recipe).__name__}")
-    if sink_tokens is not None:
-        changes["sink_tokens"] = non_negative_int("sink_tokens", sink_tokens)
-    if pre_rope is not None and not isinstance(pre_rope, bool):
-        raise TypeError(f"pre_rope must be a bool, got {type(pre_rope).__name__}")
-    if calibration is not None:
-        if pre_rope is False:
-            raise ValueError("a calibration codes keys pre-RoPE: pre_rope=False contradicts it")
-        changes["pre_rope"] = True
-    elif pre_rope is None:
-        # The recipe's choice where this model's RoPE can be inverted exactly.
-        changes["pre_rope"] = recipe.pre_rope and _rope_invertible(config)
-    else:
-        changes["pre_rope"] = pre_rope
-    return recipe.replace(**changes)
-
-
-def _rope_invertible(config: PretrainedConfig) -> bool:
-    try:
-        for spec in build_layer_plan(config, None):
-            if spec.kind is LayerKind.COMPRESSED:
-                rotary_spec_from_config(text_config(config), spec.layer_type)
-    except (NotImplementedError, ValueError):
-        return False
-    return True

@@ -142,6 +142,11 @@ class KakeyaLayer(SinkSlots, Flushing, DeviceHeld, DecodedBlocks, LayerMemory, C
         self.is_initialized = True
 
     @property
+    def _offset(self) -> int:
+        """Position of the first token held (a sliding layer forgets the oldest)."""
+        return 0
+
+    @property
     def compressed_length(self) -> int:
         """Tokens held in compressed blocks."""
         return len(self._blocks) * self.block_size
@@ -218,16 +223,25 @@ class KakeyaLayer(SinkSlots, Flushing, DeviceHeld, DecodedBlocks, LayerMemory, C
             self._init_sinks(q)
         if q and self._sink_idx is not None:
             self._capture_sinks(key_states, value_states, start)
-        positions = self._step_positions(q, start) if self._rope is not None else None
+        positions = None
+        if self._rope is not None:
+            positions = self._step_positions(q, self._offset + start)
 
-        if self._ctx.budget.limit and self._buffer_ready(start + q):
+        # A sliding layer (sliding_layer.py) forgets its oldest tokens: no buffer, no codes
+        # handed to attention (the window's mask is the model's attention's).
+        if self._ctx.budget.limit and not self.is_sliding and self._buffer_ready(start + q):
             # As the hot window holds them (rounded to the hot dtype, if one is set).
             self._buf_k[:, :, start : start + q] = key_states.to(self._hot_k.dtype)
             self._buf_v[:, :, start : start + q] = self._read_values(
                 self._held_values(value_states)
             )
             full_k, full_v = self._buf_k[:, :, : start + q], self._buf_v[:, :, : start + q]
-        elif self._ctx.step.coded_attention and self._blocks and not self._ctx.budget.limit:
+        elif (
+            self._ctx.step.coded_attention
+            and self._blocks
+            and not self._ctx.budget.limit
+            and not self.is_sliding
+        ):
             # Attention reads the blocks' codes itself (hf/coded_attention.py): hand it the
             # blocks and the held exact tokens as they are now (this forward's flush and append
             # come after) and return only the new tokens. (A decoded budget asks for decoded

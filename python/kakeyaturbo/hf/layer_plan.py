@@ -1,7 +1,8 @@
 """Which decoder layers the codec compresses, read from a transformers config.
 
 Full-attention layers grow with the context, so they are compressed. Sliding-window and
-chunked layers are bounded by their window and are kept exactly as transformers keeps them.
+chunked layers are bounded by their window and are kept exactly as transformers keeps them,
+unless the cache is told to code sliding ones too (``code_sliding``).
 KV-sharing consumers (Gemma 3n/4 style) hold nothing: they read the producer's cache. Layers
 named in ``skip_layers`` stay full precision. Anything else (linear attention, hybrid and
 sparse-indexed layers, encoder-decoder models) is refused with an explanation rather than
@@ -25,6 +26,7 @@ class LayerKind(str, enum.Enum):
     COMPRESSED = "compressed"  # full attention, block-compressed by the codec
     FULL_PRECISION = "full_precision"  # full attention, kept exact (skip_layers)
     SLIDING = "sliding"  # sliding-window attention, kept as transformers keeps it
+    SLIDING_COMPRESSED = "sliding_compressed"  # sliding-window attention, its window coded
     CHUNKED = "chunked"  # chunked attention, kept as transformers keeps it
     SHARED = "shared"  # KV-sharing consumer: no cache of its own
 
@@ -77,21 +79,26 @@ def _shared_consumers(cfg: PretrainedConfig, n: int) -> set[int]:
 
 
 def _window(cfg: PretrainedConfig, kind: LayerKind) -> int:
-    name = "sliding_window" if kind is LayerKind.SLIDING else "attention_chunk_size"
+    name = "attention_chunk_size" if kind is LayerKind.CHUNKED else "sliding_window"
     window = getattr(cfg, name, None)
     if window is None:
         raise ValueError(f"config has {kind.value} layers but no `{name}`")
     return int(window)
 
 
+#: The kinds whose layers hold codec blocks.
+CODED_KINDS = (LayerKind.COMPRESSED, LayerKind.SLIDING_COMPRESSED)
+
+
 def build_layer_plan(
-    config: PretrainedConfig, skip_layers: Iterable[int] | None = None
+    config: PretrainedConfig, skip_layers: Iterable[int] | None = None, code_sliding: bool = False
 ) -> list[LayerSpec]:
     """Plan every decoder layer of ``config``.
 
     Args:
         config: a transformers model config (multimodal configs: the text config is used).
         skip_layers: layer indices kept full precision instead of compressed.
+        code_sliding: sliding-window layers hold their window coded too (skipped ones exact).
 
     Raises:
         NotImplementedError: the model has layer types this cache cannot hold.
@@ -115,6 +122,8 @@ def build_layer_plan(
             plan.append(LayerSpec(i, LayerKind.SHARED, layer_type=layer_type))
         elif layer_type in _BOUNDED:
             kind = _BOUNDED[layer_type]
+            if kind is LayerKind.SLIDING and code_sliding and i not in skip:
+                kind = LayerKind.SLIDING_COMPRESSED
             plan.append(LayerSpec(i, kind, window=_window(cfg, kind), layer_type=layer_type))
         elif layer_type == "full_attention":
             kind = LayerKind.FULL_PRECISION if i in skip else LayerKind.COMPRESSED
@@ -127,7 +136,7 @@ def build_layer_plan(
                 "sliding_attention and "
                 "chunked_attention layers (and KV-sharing consumers)"
             )
-    # skip_layers naming a sliding/chunked/shared layer is a no-op: those are never compressed.
+    # skip_layers naming a chunked or shared layer is a no-op: those are never compressed.
     return plan
 
 

@@ -46,7 +46,7 @@ def save_cache(cache: Any, model: torch.nn.Module, path: str | os.PathLike) -> i
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for spec, layer in zip(cache.layer_plan, cache.layers):
-        if isinstance(layer, KakeyaLayer):
+        if spec.kind is LayerKind.COMPRESSED:
             layers.append(_save_compressed(cache, layer, tensors))
         elif spec.kind is LayerKind.FULL_PRECISION:
             layers.append(_save_plain(spec.index, layer, tensors))

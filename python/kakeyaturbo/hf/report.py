@@ -9,6 +9,10 @@ from .blocks import storage_bytes
 class LayerMemory:
     """:meth:`memory_report` of a :class:`~kakeyaturbo.hf.layer.KakeyaLayer`."""
 
+    def _dense_tokens(self) -> int:
+        """Tokens transformers' own layer would hold in this one's place."""
+        return self._len
+
     def memory_report(self) -> dict:
         """Bytes this layer holds, measured from what it holds."""
         seen, compressed = set(), 0
@@ -42,13 +46,13 @@ class LayerMemory:
         decoded += storage_bytes(self._buf_k) + storage_bytes(self._buf_v)
         if self.is_initialized:
             per_token = self._rows * self._heads * (self._hot_k.shape[-1] + self._v_dim)
-            dense = per_token * self._len * self.dtype.itemsize
-            bf16 = per_token * self._len * 2
+            dense = per_token * self._dense_tokens() * self.dtype.itemsize
+            bf16 = per_token * self._dense_tokens() * 2
         else:
             dense = bf16 = 0
         return report(
             "compressed",
-            self._len,
+            self.get_seq_length(),
             self.compressed_length,
             compressed,
             full,
