@@ -134,6 +134,8 @@ python benches/outlier_channels.py --passages 8
 # Sliding-window layers held exact or coded: SmolLM2 with Gemma 3's layer pattern.
 python benches/sliding_layers.py --passages 8
 python benches/sliding_cache.py --passages 8
+python benches/sliding_cache.py --passages 8 --window 1024 --ctx 2048 \
+  --out reports/sliding_cache_w1024.json
 cp "$C/calibration.json" reports/calibration.json
 kakeyaturbo report --all-command "bash scripts/reports.sh"
 

@@ -27,36 +27,43 @@ P8 = kt.CodecParams(
 )
 
 
+COMMON = dict(
+    num_hidden_layers=4,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=2048,
+    initializer_range=0.1,  # less flat attention than the default 0.02
+)
+
+
 @functools.cache
 def tiny(arch: str):
     """A seeded, randomly initialised float32 model in eval mode."""
-    torch.manual_seed(0)
-    common = dict(
-        num_hidden_layers=4,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=2048,
-        initializer_range=0.1,  # less flat attention than the default 0.02
-    )
     if arch == "gemma3":
-        cfg = tf.Gemma3TextConfig(
-            hidden_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=256,
-            sliding_window=WINDOW,
-            layer_types=GEMMA3_TYPES,
-            **common,
-        )
-        model = tf.Gemma3ForCausalLM(cfg)
-    elif arch == "qwen3":
-        cfg = tf.Qwen3Config(
-            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **common
-        )
-        model = tf.Qwen3ForCausalLM(cfg)
-    else:
+        return tiny_gemma3(WINDOW)
+    if arch != "qwen3":
         raise KeyError(arch)
-    return model.float().eval()
+    torch.manual_seed(0)
+    cfg = tf.Qwen3Config(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, **COMMON
+    )
+    return tf.Qwen3ForCausalLM(cfg).float().eval()
+
+
+@functools.cache
+def tiny_gemma3(window: int):
+    """The Gemma 3-style model (sliding, full, sliding, full) with sliding window ``window``."""
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=window,
+        layer_types=GEMMA3_TYPES,
+        **COMMON,
+    )
+    return tf.Gemma3ForCausalLM(cfg).float().eval()
 
 
 def token_ids(rows: int, n: int, seed: int = 1) -> torch.Tensor:

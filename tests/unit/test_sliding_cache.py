@@ -7,11 +7,11 @@ refused, and saving is refused."""
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 import transformers as tf
+from tiny_archs import tiny_gemma3, token_ids
 from transformers import DynamicCache
 
 import kakeyaturbo as kt
@@ -28,27 +28,12 @@ P8 = kt.CodecParams(
 )
 
 
-@functools.cache
 def model():
-    torch.manual_seed(0)
-    cfg = tf.Gemma3TextConfig(
-        hidden_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=256,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        vocab_size=256,
-        max_position_embeddings=2048,
-        initializer_range=0.1,
-    )
-    return tf.Gemma3ForCausalLM(cfg).float().eval()
+    return tiny_gemma3(WINDOW)
 
 
 def ids(rows: int, n: int) -> torch.Tensor:
-    return torch.randint(0, 256, (rows, n), generator=torch.Generator().manual_seed(4))
+    return token_ids(rows, n, seed=4)
 
 
 def coded_cache(on=None, **kw) -> KakeyaCache:
