@@ -29,7 +29,7 @@ AUTO_TOKENS = 8192
 SCAN_PASSAGES, SCAN_CTX, SCAN_EVAL = 4, 960, 64
 #: Bumped when the fit changes, so that bundles of an older fit are not reused (3: always
 #: fitted in float32, keyed by the query, key and value projections too).
-AUTO_VERSION = 3
+AUTO_VERSION = 4
 #: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
 ENV = "KAKEYATURBO_AUTO_CALIBRATION"
 

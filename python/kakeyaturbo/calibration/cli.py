@@ -15,6 +15,7 @@ from ..cli_args import (
     int_at_least,
     positive_float,
 )
+from .schema import DEFAULT_RIDGE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ridge",
         type=positive_float,
-        default=1e-3,
+        default=DEFAULT_RIDGE,
         help="ridge added to the query second moment, relative to its mean eigenvalue",
     )
     p.set_defaults(func=run)

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..modeling import heads_first, kv_geometry, pre_rope_modules
 from .bundle import Calibration, model_fingerprint
+from .schema import DEFAULT_RIDGE
 
 
 class _Moments:
@@ -145,7 +146,7 @@ def _eig_desc(c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def fit_bundle(
     moments: list[_Moments],
-    ridge: float = 1e-3,
+    ridge: float = DEFAULT_RIDGE,
     value_metrics: Optional[list[np.ndarray]] = None,
 ) -> dict[str, np.ndarray]:
     """Closed-form bases from the moments (see transforms.py for the frames); with
@@ -251,7 +252,7 @@ def calibrate(
     text_file: str | Path,
     tokens: int = 30_000,
     ctx: int = 1024,
-    ridge: float = 1e-3,
+    ridge: float = DEFAULT_RIDGE,
     progress: bool = True,
     command: Optional[str] = None,
     value_metric: bool = False,
@@ -299,7 +300,7 @@ def calibration_from_moments(
     model,
     moments: list[_Moments],
     meta: dict,
-    ridge: float = 1e-3,
+    ridge: float = DEFAULT_RIDGE,
     value_metrics: Optional[list[np.ndarray]] = None,
 ) -> Calibration:
     """The bundle of ``model`` whose bases :func:`fit_bundle` fits on ``moments``; ``meta``

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from .._core import KakeyaTurboError
 
+#: The ridge added to the query second moment, relative to its mean eigenvalue. Small: a query
+#: channel scaled down 100x (a key channel scaled up to match, as q/k biases and trained models
+#: make them) has 1e-4 of the mean variance, and a ridge of 1e-3 weighed its key errors 11x
+#: above what queries read of them (docs/calibration.md). Not smaller: at 1e-6 the frames'
+#: conditioning made float32 attention over the codes and decoding differ by 8e-4 in a logit.
+DEFAULT_RIDGE = 1e-5
+
 BUNDLE_VERSION = 1
 META_FILE = "calibration.json"
 TENSORS_FILE = "tensors.safetensors"
