@@ -72,7 +72,7 @@ def run(model, calibration, passages, ctx: int, bar) -> dict:
     for name, code_sliding, own_bits in CONFIGS:
         scores, held, dense = [], 0, 0
         for p in passages:
-            ids = p.ids[None] if p.ids.dim() == 1 else p.ids
+            ids = p.ids[None]  # [1, ctx + N_EVAL + 1]
             want = model(ids[:, : ctx + N_EVAL]).logits[:, ctx:].float()
             cache = cache_for(model, calibration, code_sliding, own_bits)
             model(ids[:, :ctx], **{CACHE_ARG: cache}, use_cache=True)

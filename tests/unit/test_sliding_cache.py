@@ -39,7 +39,11 @@ def ids(rows: int, n: int) -> torch.Tensor:
 def coded_cache(on=None, **kw) -> KakeyaCache:
     kw = {"k_params": P8, "v_params": P8, **kw}
     return KakeyaCache.from_model(
-        on or model(), calibration=None, residual_length=RESIDUAL, code_sliding=True, **kw
+        model() if on is None else on,
+        calibration=None,
+        residual_length=RESIDUAL,
+        code_sliding=True,
+        **kw,
     )
 
 

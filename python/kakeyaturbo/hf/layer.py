@@ -327,13 +327,7 @@ class KakeyaLayer(SinkSlots, Flushing, DeviceHeld, DecodedBlocks, LayerMemory, C
             tail = self._blocks[whole] if rest else None
             if tail is not None:
                 tk, tv = self._decode_blocks([tail])
-            for blk in self._blocks[whole:]:
-                self._drop_decoded(blk)
-            self._blocks = self._blocks[:whole]
-            if self._on_device is not None:
-                held, self._on_device = self._on_device, None
-                if whole:
-                    self._on_device = {s: run.take(range(whole)) for s, run in held.items()}
+            self._keep_blocks(0, whole)
             if tail is not None:
                 tk, tv = tk[:, :, :rest].clone(), tv[:, :, :rest].clone()
                 # Sinks were encoded as the block mean: put the exact ones back.
@@ -348,6 +342,18 @@ class KakeyaLayer(SinkSlots, Flushing, DeviceHeld, DecodedBlocks, LayerMemory, C
                 self._keep_hot(0, 0)
         # Sinks at slots >= new_len are re-captured when those slots are written again.
         self._len = new_len
+
+    def _keep_blocks(self, lo: int, hi: int) -> None:
+        """Keep blocks ``lo..hi`` only: the others' decoded copies released, the device's runs
+        cut to the kept ones (the tokens' count is the caller's)."""
+        for blk in self._blocks[:lo] + self._blocks[hi:]:
+            self._drop_decoded(blk)
+        self._blocks = self._blocks[lo:hi]
+        self._held = None
+        if self._on_device is not None:
+            held, self._on_device = self._on_device, None
+            if hi > lo:
+                self._on_device = {s: run.take(range(lo, hi)) for s, run in held.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder batch rows for beam search (streams are re-pointed, not re-encoded)."""

@@ -85,15 +85,7 @@ class SlidingKakeyaLayer(KakeyaLayer):
         first, bs = self._first_visible(), self.block_size
         gone = max(min((first - self._start) // bs, len(self._blocks)), 0)
         if gone:
-            for blk in self._blocks[:gone]:
-                self._drop_decoded(blk)
-            self._blocks = self._blocks[gone:]
-            self._held = None
-            if self._on_device is not None:
-                held, self._on_device = self._on_device, None
-                if self._blocks:
-                    kept = range(gone, gone + len(self._blocks))
-                    self._on_device = {s: run.take(kept) for s, run in held.items()}
+            self._keep_blocks(gone, len(self._blocks))
             self._forget(gone * bs)
         if not self._blocks:
             stale = min(first - self._start, self._hot_k.shape[-2])
