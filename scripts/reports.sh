@@ -103,7 +103,7 @@ for run in passages64 passages64_in_forward passages64_copy; do
     --chosen reports/sweep.json reports/in_forward.json reports/copy.json >/dev/null
 done
 # The values' frame weighted by the output projection (calibrate --value-metric output) against
-# the per-head bundle's plain PCA frame, snapshot and in-forward: measured, not adopted.
+# the per-head bundle's (each channel weighted only), snapshot and in-forward: not adopted.
 CV=artifacts/calib-smollm2-vo
 [ -f "$CV/calibration.json" ] ||
   kakeyaturbo calibrate --model "$MODEL" --text "$CALIB_TEXT" --out "$CV" --tokens 30000 \

@@ -54,6 +54,17 @@ class Frames:
             self._frames.pop((layer, stream), None)
         self.token_norms.forget(layer)
 
+    def _decide_norms(self, x, layer: int, stream: str, positions, sinks) -> None:
+        """Make ``layer``'s ``stream``'s token-norm choice on ``x`` ``[B, H, T, D]`` if it is not
+        made yet, in the bundle's coding frame where there is one (it may weigh channels:
+        ``value_channel_scales``) and the tokens are in its space (not keys still rotated)."""
+        into = None
+        rotated = positions is not None and stream == "k" and self.recipe.pre_rope
+        if self._transforms is not None and not rotated:
+            t = self._transforms
+            into = lambda v: t.forward(v.float(), layer, stream)  # noqa: E731
+        self.token_norms.decide(x, layer, stream, sinks, into)
+
     def _joints(self, layers: list[int], stream: str, device: torch.device) -> torch.Tensor:
         """The frames across heads of ``layers`` ``[L, H*D, H*D]`` on ``device``."""
         t = self._transforms

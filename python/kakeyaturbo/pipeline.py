@@ -129,7 +129,7 @@ class Pipeline(Frames, AttentionOverCodes):
         one = lambda t: None if t is None else t.cpu()[None]  # noqa: E731 (as one layer of many)
         if sinks is not None and not bool(sinks.any()):
             sinks = None
-        self.token_norms.decide(x, layer, stream, sinks)
+        self._decide_norms(x, layer, stream, positions, sinks)
         x = x.detach().float().cpu()[None]
         y, norms = self._prepared(x, [layer], stream, one(positions), one(sinks))
         norms = None if norms is None else norms[0]
@@ -166,7 +166,7 @@ class Pipeline(Frames, AttentionOverCodes):
                 raise ValueError(
                     f"encode_on_device codes whole blocks of {bs} tokens, got {x.shape[2]}"
                 )
-            self.token_norms.decide(x, layer, stream, sinks)
+            self._decide_norms(x, layer, stream, positions, sinks)
             groups.setdefault(self._alike(x, layer, stream, positions), []).append(i)
         out: list = [None] * len(spans)
         for members in groups.values():

@@ -1,8 +1,9 @@
 """Whether a layer's stream is coded as unit vectors with their norms beside (token norms).
 
 The recipe chooses token norms per stream (``v_token_norms``: values by default). A stream whose
-tokens put most of their energy in one direction (a value channel 100x the others, a large
-bias) is coded without them all the same: as unit vectors its other coordinates are divided by
+tokens put most of their energy in one direction of its coding frame (a value channel 100x
+the others that the output projection does not read down, a large bias) is coded without them
+all the same: as unit vectors its other coordinates are divided by
 that one coordinate, heavy-tailed where it crosses zero, and they fill the sparse outliers (on a
 100x channel, 19% more bytes and 3.8x the error on the other channels, ``tests/unit/
 test_outlier_channels.py``). The pipeline decides once per sequence and layer, on the first
@@ -11,6 +12,7 @@ tokens it codes; decoders read the choice from the blocks (they hold norms or no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -62,16 +64,22 @@ class TokenNormChoice:
         self._made: dict[tuple[int, str], bool] = {}
 
     def decide(
-        self, x: torch.Tensor, layer: int, stream: str, sinks: Optional[torch.Tensor] = None
+        self,
+        x: torch.Tensor,
+        layer: int,
+        stream: str,
+        sinks: Optional[torch.Tensor] = None,
+        into_frame: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ) -> bool:
         """The choice for ``layer``'s ``stream``, made on ``x`` ``[B, H, T, D]`` (``sinks``
-        left out) if it is not made yet."""
+        left out; taken into the coding frame by ``into_frame`` where given, since a
+        bundle's frame may weigh channels) if it is not made yet."""
         key = (layer, stream)
         if key not in self._made:
             if not self._recipe.token_norms(stream):
                 self._made[key] = False
             else:
-                share = dominant_share(x, sinks)
+                share = dominant_share(x if into_frame is None else into_frame(x), sinks)
                 if share is None:  # not finite: the codec refuses it, nothing is decided
                     return True
                 self._made[key] = share <= DOMINANT_SHARE

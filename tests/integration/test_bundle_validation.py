@@ -47,7 +47,7 @@ def value_metric_bundle(model_and_tok, calib_text, tmp_path_factory):
     from kakeyaturbo.calibration import calibrate
 
     model, tok = model_and_tok
-    calib = calibrate(model, tok, calib_text, tokens=1024, progress=False, value_metric=True)
+    calib = calibrate(model, tok, calib_text, tokens=1024, progress=False, value_metric="output")
     return calib.save(tmp_path_factory.mktemp("vm") / "bundle")
 
 
@@ -256,7 +256,8 @@ META_CASES = [
     ("text_file", 7),
     ("text_sha256", "xyz"),
     ("value_metric", 1),
-    ("value_metric", "output"),
+    ("value_metric", "none"),  # the bundle holds v_inverse
+    ("value_metric", "scaled"),
     ("joint_heads", 1),
     ("joint_heads", "true"),
     ("joint_heads", False),

@@ -56,13 +56,13 @@ def test_whitened_error_is_the_expected_logit_error(bundle):
 def test_output_weighted_value_frame_weighs_errors_as_the_output_sees_them(
     model_and_tok, calib_text, real_kv, tmp_path
 ):
-    """With ``value_metric=True``: |e @ T_v|^2 = e^T M e for M = sum_j W_j^T W_j over the
+    """With ``value_metric="output"``: |e @ T_v|^2 = e^T M e for M = sum_j W_j^T W_j over the
     query heads reading the KV head (scaled to mean eigenvalue 1, ridged), the saved bundle
     holds T_v's inverse, and values round-trip through it."""
     from kakeyaturbo.calibration.fit import value_output_metrics
 
     model, tok = model_and_tok
-    calib = calibrate(model, tok, calib_text, tokens=2048, progress=False, value_metric=True)
+    calib = calibrate(model, tok, calib_text, tokens=2048, progress=False, value_metric="output")
     loaded = Calibration.load(calib.save(tmp_path), model)
     assert loaded.meta["value_metric"] == "output"
     tv, inv = loaded.tensors["v_transform"].astype(np.float64), loaded.tensors["v_inverse"]
@@ -88,8 +88,8 @@ def test_output_weighted_value_frame_weighs_errors_as_the_output_sees_them(
         back = t.inverse(t.forward(x, layer, "v"), layer, "v")
         torch.testing.assert_close(back, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))
     assert loaded.meta["joint_heads"] is False  # joint frames by default, never with this metric
-    # The default bundle keeps the orthonormal frame and no inverse beside it.
-    plain = calibrate(model, tok, calib_text, tokens=1024, progress=False)
+    # Values as they are: the orthonormal frame and no inverse beside it.
+    plain = calibrate(model, tok, calib_text, tokens=1024, progress=False, value_metric="none")
     assert "v_inverse" not in plain.tensors and plain.meta["value_metric"] == "none"
 
 

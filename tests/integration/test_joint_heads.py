@@ -197,7 +197,13 @@ def test_joint_heads_needs_a_bundle_with_joint_frames(model_and_tok, calib_text,
     model, tok = model_and_tok
     with pytest.raises(ValueError, match="value_metric"):
         calibrate(
-            model, tok, calib_text, tokens=1024, progress=False, joint_heads=True, value_metric=True
+            model,
+            tok,
+            calib_text,
+            tokens=1024,
+            progress=False,
+            joint_heads=True,
+            value_metric="output",
         )
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .bundle import Calibration, model_fingerprint
 from .in_float32 import in_float32
-from .schema import META_FILE, PROBE, PROJ_PROBE, CalibrationError
+from .schema import DEFAULT_VALUE_METRIC, META_FILE, PROBE, PROJ_PROBE, CalibrationError
 
 __all__ = ["AUTO", "AUTO_TOKENS", "auto_calibration", "auto_enabled", "auto_bundle_dir"]
 
@@ -28,8 +28,9 @@ AUTO_TOKENS = 8192
 #: evaluation's window; shorter where the model's positions end first).
 SCAN_PASSAGES, SCAN_CTX, SCAN_EVAL = 4, 960, 64
 #: Bumped when the fit changes, so that bundles of an older fit are not reused (3: always
-#: fitted in float32, keyed by the query, key and value projections too).
-AUTO_VERSION = 4
+#: fitted in float32, keyed by the query, key and value projections too; 4: the key
+#: whitening's ridge 1e-5; 5: value channels weighted by what the output projection reads).
+AUTO_VERSION = 5
 #: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
 ENV = "KAKEYATURBO_AUTO_CALIBRATION"
 
@@ -94,13 +95,21 @@ def auto_calibration(model, progress: bool = True) -> Calibration | None:
 def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Calibration:
     """A bundle fitted on ``tokens`` tokens the model samples itself, its per-layer bits from
     the sensitivity scan on :data:`SCAN_PASSAGES` more sampled sequences."""
-    from .fit import calibration_from_moments, collect_moments, default_joint_heads
+    from .fit import (
+        calibration_from_moments,
+        collect_moments,
+        default_joint_heads,
+        value_channel_scales,
+    )
     from .sampled_text import sample_sequences
 
     t0 = time.perf_counter()
     seqs = sample_sequences(model, tokens=tokens, progress=progress)
     joint = default_joint_heads(model)
-    moments = collect_moments(model, windows=seqs, progress=progress, joint=joint)
+    scales = value_channel_scales(model) if DEFAULT_VALUE_METRIC == "channel" else None
+    moments = collect_moments(
+        model, windows=seqs, progress=progress, joint=joint, value_scales=scales
+    )
     meta = {
         "tokens": sum(len(s) for s in seqs),
         "ctx": len(seqs[0]),

@@ -15,7 +15,7 @@ from ..cli_args import (
     int_at_least,
     positive_float,
 )
-from .schema import DEFAULT_RIDGE
+from .schema import DEFAULT_RIDGE, DEFAULT_VALUE_METRIC, VALUE_METRICS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,10 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--value-metric",
-        choices=["none", "output"],
-        default="none",
-        help="frame of the values: plain PCA (none) or weighted by the output projection "
-        "(output: a value error counted as the layer output sees it; not better on SmolLM2)",
+        choices=VALUE_METRICS,
+        default=DEFAULT_VALUE_METRIC,
+        help="frame of the values: fitted with each channel weighted by what the output "
+        "projection reads of it (channel: a channel rescaled against o_proj costs its share), "
+        "on the values as they are (none), or weighted by the whole output projection "
+        "(output: not better on SmolLM2, and per KV head only)",
     )
     p.add_argument(
         "--joint-heads",
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         tokens=args.tokens,
         ctx=args.ctx,
         ridge=args.ridge,
-        value_metric=args.value_metric == "output",
+        value_metric=args.value_metric,
         joint_heads=args.joint_heads,
         command=command_line(args),
     )

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ..modeling import heads_first, kv_geometry, pre_rope_modules
 from .bundle import Calibration, model_fingerprint
-from .schema import DEFAULT_RIDGE
+from .schema import DEFAULT_RIDGE, DEFAULT_VALUE_METRIC, VALUE_METRICS
 
 
 class _Moments:
@@ -23,7 +23,12 @@ class _Moments:
     with ``joint``, also across the heads: the keys side by side and the values' unit vectors
     side by side (``[H*D, H*D]``), for the frames across heads."""
 
-    def __init__(self, heads: int, d: int, joint: bool = False):
+    def __init__(
+        self, heads: int, d: int, joint: bool = False, v_scale: Optional[np.ndarray] = None
+    ):
+        # Each value channel's weight [H, D] (value_channel_scales), or None: the values' frame
+        # and their unit vectors are fitted on the values so weighted.
+        self.v_scale = v_scale
         self.qq = np.zeros((heads, d, d))
         self.kk = np.zeros((heads, d, d))
         self.vv = np.zeros((heads, d, d))
@@ -49,6 +54,8 @@ class _Moments:
             self.kk_joint += side.T @ side
             # Values are coded as unit vectors (the recipe's token norms): their frame is fitted
             # on those, which no per-head moment gives.
+            if self.v_scale is not None:
+                v = v * self.v_scale
             u = v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-30)
             side = u.reshape(t, -1)
             self.uu_joint += side.T @ side
@@ -65,18 +72,23 @@ def collect_moments(
     rope=None,
     joint: bool = False,
     windows: Optional[list[list[int]]] = None,
+    value_scales: Optional[np.ndarray] = None,
 ) -> list[_Moments]:
     """Runs ``token_ids`` through the model in windows of ``ctx`` tokens (or the given
     ``windows``, one forward pass each). With ``rope`` (a
     :class:`~kakeyaturbo.hf.rope.ModelRope`) the queries and keys are taken post-RoPE, each
     window's tokens at positions 0.. (for post-RoPE key frames). ``joint``: also the moments
-    across heads (:class:`_Moments`)."""
+    across heads (:class:`_Moments`). ``value_scales`` ``[L, H, D]``
+    (:func:`value_channel_scales`): the value frames are fitted on the values so weighted."""
     import torch
 
     geo = kv_geometry(model.config)
     d, hq, hkv = geo.head_dim, geo.query_heads, geo.kv_heads
     layers = model.model.layers
-    moments = [_Moments(hkv, d, joint) for _ in layers]
+    moments = [
+        _Moments(hkv, d, joint, None if value_scales is None else value_scales[li])
+        for li in range(len(layers))
+    ]
     current: dict[tuple[int, str], np.ndarray] = {}
     n_tokens = [0]  # tokens of the window in flight
     hooks = []
@@ -131,6 +143,30 @@ def value_output_metrics(model) -> Optional[list[np.ndarray]]:
     return out
 
 
+#: The smallest weight a value channel gets, relative to the layer's mean: a channel the output
+#: never reads is still coded (its frame stays invertible).
+MIN_CHANNEL_SCALE = 1e-4
+
+
+def value_channel_scales(model) -> Optional[np.ndarray]:
+    """``[L, kv_heads, D]``: each value channel's weight, the square root of the output metric's
+    diagonal (:func:`value_output_metrics`: how much of the layer output a unit error in that
+    channel moves) over its mean across the head's channels. A value channel scaled up by ``c``
+    and read by ``o_proj`` columns scaled down by ``c`` (a function-preserving rescale, what
+    q/k/v biases and massive activations look like to the cache) gets weight ``1 / c``, so the
+    weighted values, and every code fitted on them, do not change. ``None`` where
+    :func:`value_output_metrics` is."""
+    metrics = value_output_metrics(model)
+    if metrics is None:
+        return None
+    out = []
+    for m in metrics:
+        diag = np.diagonal(m, axis1=-2, axis2=-1)
+        rel = diag / np.maximum(diag.mean(-1, keepdims=True), 1e-300)
+        out.append(np.sqrt(np.maximum(rel, MIN_CHANNEL_SCALE**2)))
+    return np.stack(out)
+
+
 def _ridged_cholesky(m: np.ndarray, ridge: float) -> np.ndarray:
     """Lower Cholesky factor of the metric ``m`` plus ``ridge`` times its mean eigenvalue: the
     ridge keeps the factor well conditioned where queries (or the output) never point."""
@@ -150,7 +186,12 @@ def fit_bundle(
     value_metrics: Optional[list[np.ndarray]] = None,
 ) -> dict[str, np.ndarray]:
     """Closed-form bases from the moments (see transforms.py for the frames); with
-    ``value_metrics`` (:func:`value_output_metrics`) the value frame is output-weighted."""
+    ``value_metrics`` (:func:`value_output_metrics`) the value frame is output-weighted; from
+    moments collected with ``value_scales`` it is ``diag(s) @ U_v``, ``U_v`` the PCA frame of
+    the weighted values."""
+    scaled = moments[0].v_scale is not None
+    if scaled and value_metrics is not None:
+        raise ValueError("value_metrics and moments of weighted values cannot be combined")
     out: dict[str, list] = {
         k: []
         for k in (
@@ -164,7 +205,7 @@ def fit_bundle(
             "v_variances",
         )
     }
-    if value_metrics is not None:
+    if value_metrics is not None or scaled:
         out["v_inverse"] = []
     for li, m in enumerate(moments):
         per = {k: [] for k in out}
@@ -182,6 +223,8 @@ def fit_bundle(
             if value_metrics is not None:  # scaled to mean eigenvalue 1: values keep their scale
                 mo = value_metrics[li][h]
                 lower_o = _ridged_cholesky(mo / max(np.trace(mo) / d, 1e-30), ridge)
+            elif scaled:
+                lower_o = np.diag(m.v_scale[h].astype(np.float64))
             lam_v, u_v = _eig_desc(lower_o.T @ cov_v @ lower_o)
             tv = lower_o @ u_v
             per["q_second_moment"].append(mq)
@@ -194,6 +237,8 @@ def fit_bundle(
             per["v_variances"].append(lam_v)
             if value_metrics is not None:
                 per["v_inverse"].append(np.linalg.inv(tv))
+            elif scaled:  # (diag(s) U)^-1 = U^T diag(1/s), exactly
+                per["v_inverse"].append(u_v.T / m.v_scale[h][None, :])
         for k in out:
             out[k].append(np.stack(per[k]))
     tensors = {k: np.stack(v).astype(np.float32) for k, v in out.items()}
@@ -210,10 +255,14 @@ def fit_bundle(
 def _joint_frames(moments: list[_Moments], t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per layer, the PCA across KV heads of the coordinates the pipeline hands to the joint
     frame: keys in each head's query-aware frame (``k @ k_transform``), values as unit vectors
-    in each head's (orthonormal) PCA frame, heads side by side."""
+    (of the weighted values, where they are) in each head's orthonormal PCA frame ``U_v``, heads
+    side by side."""
     out: dict[str, list] = {"k_joint": [], "v_joint": []}
     for li, m in enumerate(moments):
-        blocks = {s: _block_diagonal(t[f"{s}_transform"][li].astype(np.float64)) for s in "kv"}
+        frames = {s: t[f"{s}_transform"][li].astype(np.float64) for s in "kv"}
+        if m.v_scale is not None:
+            frames["v"] = frames["v"] / m.v_scale[:, :, None]
+        blocks = {s: _block_diagonal(f) for s, f in frames.items()}
         mean_k = m.k.reshape(-1) / m.n
         cov_k = m.kk_joint / m.n - np.outer(mean_k, mean_k)
         mean_u = m.u / m.n
@@ -255,35 +304,43 @@ def calibrate(
     ridge: float = DEFAULT_RIDGE,
     progress: bool = True,
     command: Optional[str] = None,
-    value_metric: bool = False,
+    value_metric: str = DEFAULT_VALUE_METRIC,
     joint_heads: Optional[bool] = None,
 ) -> Calibration:
-    """Fits a bundle on the first ``tokens`` tokens of ``text_file``. ``value_metric=True``
-    codes values in the output-weighted frame (:func:`value_output_metrics`); measured on
-    SmolLM2 it did not pay (``docs/recipe.md``), so the values keep their plain PCA frame.
-    ``joint_heads`` adds frames across each layer's KV heads (``k_joint``, ``v_joint``):
-    recipes built from the bundle then code a layer's heads as one stream, which measured
-    better per byte on SmolLM2 (``docs/recipe.md`` item 11). By default (None) it is on where
-    it fits, see :func:`default_joint_heads`."""
+    """Fits a bundle on the first ``tokens`` tokens of ``text_file``. ``value_metric``: the
+    values' frame, fitted on the values with each channel weighted by what the output
+    projection reads of it (``"channel"``, :func:`value_channel_scales`: a rescaled channel
+    costs its share), on the values as they are (``"none"``), or in the output-weighted frame
+    (``"output"``, :func:`value_output_metrics`; measured on SmolLM2 it did not pay,
+    ``docs/recipe.md``). ``joint_heads`` adds frames across each layer's KV heads
+    (``k_joint``, ``v_joint``): recipes built from the bundle then code a layer's heads as one
+    stream, which measured better per byte on SmolLM2 (``docs/recipe.md`` item 11). By default
+    (None) it is on where it fits, see :func:`default_joint_heads`."""
+    if value_metric not in VALUE_METRICS:
+        raise ValueError(f"value_metric={value_metric!r}: use one of {', '.join(VALUE_METRICS)}")
+    output = value_metric == "output"
     if joint_heads is None:
-        joint_heads = not value_metric and default_joint_heads(model)
-    if joint_heads and value_metric:
+        joint_heads = not output and default_joint_heads(model)
+    if joint_heads and output:
         raise ValueError(
-            "joint_heads and value_metric cannot be combined (see fit_bundle): pass "
-            "joint_heads=False (--no-joint-heads) with value_metric"
+            "joint_heads and value_metric='output' cannot be combined (see fit_bundle): pass "
+            "joint_heads=False (--no-joint-heads) with it"
         )
     text = Path(text_file).read_text(encoding="utf-8")
     ids = tokenizer(text[: tokens * 12], add_special_tokens=False)["input_ids"][:tokens]
     if len(ids) < ctx:
         raise ValueError(f"text_file: {len(ids)} tokens is too little to calibrate (need {ctx})")
-    moments = collect_moments(model, ids, ctx=ctx, progress=progress, joint=joint_heads)
-    value_metrics = value_output_metrics(model) if value_metric else None
-    if value_metric and value_metrics is None:
+    value_metrics = value_output_metrics(model) if output else None
+    scales = value_channel_scales(model) if value_metric == "channel" else None
+    if value_metric != "none" and value_metrics is None and scales is None:
         warnings.warn(
-            "value_metric: the model's attention has no o_proj of shape [hidden, heads x "
-            "head_dim]; the values keep their plain PCA frame",
+            f"value_metric={value_metric!r}: the model's attention has no o_proj of shape "
+            "[hidden, heads x head_dim]; the values keep their plain PCA frame",
             stacklevel=2,
         )
+    moments = collect_moments(
+        model, ids, ctx=ctx, progress=progress, joint=joint_heads, value_scales=scales
+    )
     meta = {
         "tokens": len(ids),
         "ctx": ctx,
@@ -305,10 +362,11 @@ def calibration_from_moments(
 ) -> Calibration:
     """The bundle of ``model`` whose bases :func:`fit_bundle` fits on ``moments``; ``meta``
     says how the moments were collected."""
+    metric = "channel" if moments[0].v_scale is not None else "none"
     meta = {
         **meta,
         "ridge": ridge,
-        "value_metric": "output" if value_metrics is not None else "none",
+        "value_metric": "output" if value_metrics is not None else metric,
     }
     return Calibration(
         fingerprint=model_fingerprint(model),

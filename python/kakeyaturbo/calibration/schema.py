@@ -12,6 +12,12 @@ from .._core import KakeyaTurboError
 #: conditioning made float32 attention over the codes and decoding differ by 8e-4 in a logit.
 DEFAULT_RIDGE = 1e-5
 
+#: The values' frame: fitted on the values as they are ("none"), with each channel weighted by
+#: what the output projection reads of it ("channel"), or in the output-weighted frame
+#: ("output"); the last two hold ``v_inverse`` (calibration.fit).
+VALUE_METRICS = ("none", "channel", "output")
+DEFAULT_VALUE_METRIC = "channel"
+
 BUNDLE_VERSION = 1
 META_FILE = "calibration.json"
 TENSORS_FILE = "tensors.safetensors"
@@ -23,7 +29,7 @@ TENSOR_NAMES = (
     "k_inverse",  # inverse of k_transform                                          [L,H,D,D]
     "k_variances",  # variances of the whitened-PCA key coordinates, descending    [L,H,D]
     "k_pca",  # U of plain (unwhitened) pre-RoPE key PCA, for ablations          [L,H,D,D]
-    "v_transform",  # U_v (or L_o @ U_v): value (row) -> PCA coordinates            [L,H,D,D]
+    "v_transform",  # U_v, diag(s) @ U_v or L_o @ U_v: value (row) -> PCA coords     [L,H,D,D]
     "v_variances",  # variances of the value coordinates, descending                [L,H,D]
 )
 # Tensors some bundles hold (see transforms.py).

@@ -26,6 +26,7 @@ from .schema import (
     PROJ_PROBE_CHUNKS,
     PROJ_PROBE_VALUES,
     TENSOR_NAMES,
+    VALUE_METRICS,
     CalibrationError,
 )
 
@@ -124,8 +125,8 @@ def check_meta(fingerprint: dict[str, Any], meta: dict[str, Any], where: str) ->
             if not _is_hex16(v):
                 fail(k, f"must be 16 lowercase hex digits, not {v!r}")
         elif k == "value_metric":
-            if v not in ("none", "output"):
-                fail(k, f"must be 'none' or 'output', not {v!r}")
+            if v not in VALUE_METRICS:
+                fail(k, f"must be one of {', '.join(map(repr, VALUE_METRICS))}, not {v!r}")
         elif k == "joint_heads":
             if not isinstance(v, bool):
                 fail(k, f"must be true or false, not {v!r}")
@@ -239,7 +240,7 @@ def check_tensors(
 def _check_consistency(tensors: dict, meta: dict, fail) -> None:
     """The metadata's account of the tensors, where it gives one."""
     vm = meta.get("value_metric")
-    if vm is not None and (vm == "output") != ("v_inverse" in tensors):
+    if vm is not None and (vm != "none") != ("v_inverse" in tensors):
         held = "holds" if "v_inverse" in tensors else "lacks"
         fail(f"v_inverse: the bundle {held} it, but calibration.json has value_metric={vm!r}")
     jh = meta.get("joint_heads")
