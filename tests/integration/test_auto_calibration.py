@@ -10,7 +10,7 @@ import torch
 from kakeyaturbo.calibration import Calibration
 from kakeyaturbo.calibration import auto as auto_mod
 from kakeyaturbo.calibration.auto import auto_bundle_dir, auto_calibration
-from kakeyaturbo.calibration.sampled_text import sample_sequences
+from kakeyaturbo.calibration.sampled_text import OPENINGS, opening_ids, sample_sequences
 from kakeyaturbo.eval.outlier_channels import with_outlier_channels
 from kakeyaturbo.eval.registry import build_method
 from kakeyaturbo.hf import KakeyaCache
@@ -49,6 +49,20 @@ def test_sampled_sequences_are_repeatable_full_length_and_leave_the_rng_alone(mo
     assert len({t for s in a for t in s}) > 20  # sampled, not one token repeated
 
 
+def test_every_other_sampled_sequence_starts_from_an_opening(model, monkeypatch, tmp_path):
+    openings = opening_ids(model)  # the tokenizer beside the weights
+    assert openings is not None and len(openings) == len(OPENINGS)
+    seqs = sample_sequences(model, tokens=96, batch=4, seed=7, progress=False, openings=openings)
+    assert all(len(s) == 24 and s[0] == model.config.bos_token_id for s in seqs)
+    for row, opening in ((1, openings[0]), (3, openings[1])):
+        assert seqs[row][1 : 1 + len(opening)] == opening
+    plain = sample_sequences(model, tokens=96, batch=4, seed=7, progress=False)
+    assert seqs[0] == plain[0] and seqs[2] == plain[2]  # the others drawn as without openings
+    assert seqs[1] != plain[1]
+    monkeypatch.setattr(model, "name_or_path", str(tmp_path))  # no tokenizer there
+    assert opening_ids(model) is None
+
+
 def test_from_model_fits_once_then_reuses_the_cached_bundle(model, auto_on, monkeypatch):
     cache = KakeyaCache.from_model(model, coded_attention=False)
     cache.detach()
@@ -57,7 +71,7 @@ def test_from_model_fits_once_then_reuses_the_cached_bundle(model, auto_on, monk
     assert cache.calibration is not None and cache.calibration.joint_heads
     assert cache.recipe.joint_heads == "kv"  # the recipe codes in the bundle's joint frames
     saved = Calibration.load(where, model)  # a whole, valid bundle for this model
-    assert saved.meta["text_file"] == "sampled from the model"
+    assert saved.meta["text_file"] == "sampled from the model, half from code openings"
     assert saved.meta["tokens"] == auto_mod.AUTO_TOKENS
     # Per-layer bits from the scan on sampled passages, both protocols, and the recipe takes
     # them: the streams' rates differ by layer around the mean.

@@ -29,8 +29,9 @@ AUTO_TOKENS = 8192
 SCAN_PASSAGES, SCAN_CTX, SCAN_EVAL = 4, 960, 64
 #: Bumped when the fit changes, so that bundles of an older fit are not reused (3: always
 #: fitted in float32, keyed by the query, key and value projections too; 4: the key
-#: whitening's ridge 1e-5; 5: value channels weighted by what the output projection reads).
-AUTO_VERSION = 5
+#: whitening's ridge 1e-5; 5: value channels weighted by what the output projection reads;
+#: 6: half the sampled sequences from openings of code).
+AUTO_VERSION = 6
 #: Setting this to 0 turns the fit off: "auto" then means no bundle (frames fitted per sequence).
 ENV = "KAKEYATURBO_AUTO_CALIBRATION"
 
@@ -101,10 +102,11 @@ def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Cali
         default_joint_heads,
         value_channel_scales,
     )
-    from .sampled_text import sample_sequences
+    from .sampled_text import opening_ids, sample_sequences
 
     t0 = time.perf_counter()
-    seqs = sample_sequences(model, tokens=tokens, progress=progress)
+    openings = opening_ids(model)
+    seqs = sample_sequences(model, tokens=tokens, progress=progress, openings=openings)
     joint = default_joint_heads(model)
     scales = value_channel_scales(model) if DEFAULT_VALUE_METRIC == "channel" else None
     moments = collect_moments(
@@ -113,19 +115,19 @@ def fit_sampled(model, tokens: int = AUTO_TOKENS, progress: bool = True) -> Cali
     meta = {
         "tokens": sum(len(s) for s in seqs),
         "ctx": len(seqs[0]),
-        "text_file": "sampled from the model",
+        "text_file": "sampled from the model" + (", half from code openings" if openings else ""),
         "auto_fit": AUTO_VERSION,
         "joint_heads": joint,
     }
     calib = calibration_from_moments(model, moments, meta)
-    scan = _scan_sampled(model, calib, progress)
+    scan = _scan_sampled(model, calib, progress, openings)
     if scan is not None:
         calib.meta["sensitivity"] = scan
     calib.meta["fit_seconds"] = round(time.perf_counter() - t0, 1)
     return calib
 
 
-def _scan_sampled(model, calib: Calibration, progress: bool) -> dict | None:
+def _scan_sampled(model, calib: Calibration, progress: bool, openings) -> dict | None:
     """The sensitivity scan (``kakeyaturbo.eval.sensitivity``, both protocols) on sequences the
     model samples with another seed than the frames' text; None where the model's positions
     leave no room for a coded block before the scored tokens (every layer then gets the mean
@@ -141,7 +143,12 @@ def _scan_sampled(model, calib: Calibration, progress: bool) -> dict | None:
         return None
     length = ctx + SCAN_EVAL + 1
     seqs = sample_sequences(
-        model, tokens=SCAN_PASSAGES * length, batch=SCAN_PASSAGES, seed=1, progress=progress
+        model,
+        tokens=SCAN_PASSAGES * length,
+        batch=SCAN_PASSAGES,
+        seed=1,
+        progress=progress,
+        openings=openings,
     )
     passages = [Passage(i, 0, torch.tensor(s[:length])) for i, s in enumerate(seqs)]
     scratch = tempfile.mkdtemp(prefix="kakeyaturbo-scan-")
