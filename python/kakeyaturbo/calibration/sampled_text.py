@@ -65,7 +65,7 @@ def sample_sequences(
     device = next(model.parameters()).device
     steps = max(1, math.ceil(tokens / batch) - 1)
     gen = torch.Generator().manual_seed(seed)
-    forced = {i: openings[(i // 2) % len(openings)] for i in range(1, batch, 2) if openings}
+    forced = {i: openings[(i // 2) % len(openings)] for i in range(1, batch, 2)} if openings else {}
     ids = torch.full((batch, 1), bos, dtype=torch.long)
     out = [ids]
     past = DynamicCache()
